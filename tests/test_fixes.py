@@ -88,7 +88,7 @@ class LogInPlace(LogOf):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x) - 10
         if self.fixed:
-            return h.clamp_min(1.2e-07).log_()
+            return h.clamp_min_(1.2e-07).log_()
         return h.log_()
 
 

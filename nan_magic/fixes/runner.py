@@ -44,7 +44,7 @@ from nan_magic.fixes.remedies.mask import MASKED, MaskFix
 from nan_magic.fixes.remedies.optimizer_step import redo_step
 from nan_magic.fixes.remedies.precision import float32, refused_upcast
 from nan_magic.fixes.remedies.scale import collapsed_scale, scaled, try_scales
-from nan_magic.fixes.remedies.stable import StableFix, changes_value, stable_replay
+from nan_magic.fixes.remedies.stable import StableFix, changes_value, declined, stable_replay
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
 from nan_magic.fixes.trial_facts import at_producer, output_change, remedy_facts, step_facts
@@ -409,8 +409,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
     """A remedy applied at the producer's line (site.py) on a replay of the step."""
     outcome, remedy, every = stable_replay(step, site, remedy)  # (replay_at_line; an exp first as a softplus)
     facts = remedy_facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
-    if not outcome.applied:
-        untried = "it found nothing to change at the producer's line"
+    if not outcome.applied or declined(remedy):
+        untried = declined(remedy) or "it found nothing to change at the producer's line"
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)

@@ -87,7 +87,8 @@ class _AtProducer(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self.inside():
             return func(*args, **kwargs)
-        if self._at_line():
+        at_line = self._at_line()
+        if at_line:
             result = self.remedy(func, args, kwargs)
             if result is not None:
                 self.applied += 1
@@ -95,7 +96,7 @@ class _AtProducer(TorchFunctionMode):
         result = func(*args, **kwargs)
         seen = getattr(self.remedy, "seen", None)
         if seen is not None:  # a remedy that reads what the module computed before the line (remedies/stable.py)
-            seen(func, args, kwargs, result)
+            seen(func, args, kwargs, result, at_line)
         return result
 
     def _at_line(self) -> bool:
@@ -257,8 +258,9 @@ class InRecordedCode:
     def run(self, op: RecordedOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = _AtenCall(op.func)
         source = self.site.source
-        if source is None or (op.code is not None and op.lineno == source.lineno
-                              and op.code.co_filename == source.filename):
+        at_line = source is None or (op.code is not None and op.lineno == source.lineno
+                                     and op.code.co_filename == source.filename)
+        if at_line:
             result = self.remedy(call, args, kwargs)
             if result is not None:
                 self.applied += 1
@@ -266,5 +268,5 @@ class InRecordedCode:
         result = op.func(*args, **kwargs)
         seen = getattr(self.remedy, "seen", None)
         if seen is not None:  # (remedies/stable.py: a softmax the loss code computed before the line)
-            seen(call, args, kwargs, result)
+            seen(call, args, kwargs, result, at_line)
         return result

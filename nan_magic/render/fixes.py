@@ -276,9 +276,11 @@ def _scaler_line(line: str | None, scale: str) -> str | None:
     return None
 
 
-#: The fused form of a log of each function (a softmax's, a sigmoid's), as the stable remedy computes it.
-_FUSED_LOGS = {"softmax": "torch.log_softmax", "sigmoid": "torch.nn.functional.logsigmoid",
-               "ndtr": "torch.special.log_ndtr"}
+#: The fused form of a log of each function (a softmax's, a sigmoid's), as the stable remedy computes it: the
+#: function's name on the line, the form the trial recorded, the fused function.
+_FUSED_LOGS = {"softmax": ("log_softmax", "torch.log_softmax"),
+               "sigmoid": ("logsigmoid", "torch.nn.functional.logsigmoid"),
+               "ndtr": ("log_ndtr", "torch.special.log_ndtr")}
 
 
 class _Edit(ast.NodeTransformer):
@@ -334,6 +336,8 @@ class _Edit(ast.NodeTransformer):
                     return self._mark(node)
                 return node
             clamp = "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min"
+            if method and name.endswith("_"):  # u.erfinv_(): u clamped in place first, as the trial did (domain.py)
+                clamp += "_"
             # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
             if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
@@ -357,7 +361,15 @@ class _Edit(ast.NodeTransformer):
             inner = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
             if not isinstance(inner, ast.Call):
                 return node
-            fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")))
+            form, fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")), (None, None))
+            # Only the op the trial fused: torch's own, called at the line (no helper named ndtr), with no out=.
+            recorded, on_tensor = self.trial.fact("form"), isinstance(inner.func, ast.Attribute) and not _on_module(
+                inner.func.value)
+            if fused is not None and ((form == "log_ndtr") != ((recorded or form) == "log_ndtr") or self.trial.fact(
+                    "fused_at_line") is False or any(
+                    keyword.arg not in ("dim", "dtype") for keyword in inner.keywords) or (
+                    form != "log_softmax" and len(inner.args) != (0 if on_tensor else 1))):
+                return node
             if fused is not None:
                 # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument. A
                 # module held as an attribute (self.softmax(h), an nn.Softmax) is given its tensor as an argument:
@@ -432,7 +444,11 @@ def _power_of_two(value: float) -> str:
 def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
     eps = _eps(trial)
     if function in BOUNDED_FUNCTIONS:
-        bound = float(f"{1 - float(trial.fact('eps') or 1e-7):.8g}")  # the dtype rounds it to 1 - eps again
+        bound = 1 - float(trial.fact("eps") or 1e-7)
+        if trial.fact("dtype") == "float64":  # exactly the trial's bounds: 1 - 2.2e-16 written to 8 digits is 1.0
+            eps = ast.Constant(float(trial.fact("eps") or 1e-7))
+        else:
+            bound = float(f"{bound:.8g}")  # (the dtype rounds it to 1 - eps again)
         return (eps if function in UNIT_FUNCTIONS else ast.Constant(-bound), ast.Constant(bound))
     return (eps,)
 

@@ -26,13 +26,22 @@ same value, finite where the exp overflows. So an exp is first tried in that
 form (:func:`stable_replay`): where the line's exp feeds ``log(1 + ...)``,
 that log is computed as ``softplus`` of the exp's operand; where it does not,
 the max-subtracted exp is tried as before.
+
+Every fused form (``log_softmax``, ``logsigmoid``, ``log_ndtr``, ``softplus``) is computed from the input of the
+tensor the line takes the log of, so it is the line's value only while that tensor is the function of its input it
+was made as: it is used only where neither was written in place since (their ``_version``; a Tobit's
+``p.masked_fill_(~censored, 1.0)``) and where it equals the line's own value wherever that is finite; a call given
+a keyword that changes its value (``out=``, ``alpha=-1``) is not read as the function at all. Otherwise the trial
+is not run, and says why (:func:`declined`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,12 +49,40 @@ import torch
 from nan_magic.fixes.site import Site, function_name
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_at_line, replay_step
 
-__all__ = ["StableFix", "changes_value", "stable_replay"]
+__all__ = ["StableFix", "changes_value", "declined", "stable_replay"]
 
 #: The torch functions (and the aten ops' names) that add two values: ``1 + e``, ``e + 1``, ``torch.add(e, 1)``.
 _ADDS = frozenset({"add", "__add__", "__radd__"})
 #: ... and that multiply them.
 _MULS = frozenset({"mul", "__mul__", "__rmul__"})
+#: What each fused form is the log of, as the reason a trial was not run says it.
+_LOGGED = {"log_softmax": "softmax", "logsigmoid": "sigmoid", "log_ndtr": "normal CDF", "softplus": "1 + exp(x)"}
+
+
+@dataclass
+class _Logged:
+    """A softmax's, sigmoid's or normal CDF's output the code made, whose log is fused (or a stage of an erf's CDF).
+
+    Fused only while neither it nor its input was written in place since it was made (their versions then): a CDF
+    written in place (``p.masked_fill_(~censored, 1.0)``, ``p *= 0.5``) is no longer the function of its input that
+    the fused form computes, and neither is one whose input was written after.
+    """
+
+    ref: weakref.ref[torch.Tensor]
+    version: int
+    source: torch.Tensor
+    source_version: int
+    form: str
+    #: The fused form of its log, from its input (None: an erf's stage, not yet a CDF).
+    fused: Callable[[], torch.Tensor] | None
+    #: Whether the op was torch's own, called at the producer's line (its name then on the line: the edit's).
+    at_line: bool
+    #: Whether a stage before it (an erf's output, its ``1 + erf``) was written in place.
+    written: bool = False
+    stage: int = 2
+
+    def is_written(self, tensor: torch.Tensor) -> bool:
+        return self.written or tensor._version != self.version or self.source._version != self.source_version
 
 
 class StableFix:
@@ -57,38 +94,54 @@ class StableFix:
         self.softplus = softplus
         #: The exp outputs, and the ``1 + exp(x)`` sums, the code made: ``id(result)`` -> (a weak reference to it, x,
         #: whether it is the sum: a log of the sum, a log1p of the exp, is ``softplus(x)``; its version then: one
-        #: written in place since, ``exp(x).mul_(w)``, is no longer ``exp(x)``).
-        self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool, int]] = {}
+        #: written in place since, ``exp(x).mul_(w)``, is no longer ``exp(x)``; x's version when the exp was taken).
+        self._exps: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, bool, int, int]] = {}
         #: Whether the max-subtracted exp is multiplied by 8 or 16 row by row (its max moved by 3 or 4 ln 2, exactly):
         #: the check of changes_value.
         self.offsets = offsets
-        #: The softmax and sigmoid outputs the module made: ``id(output)`` -> (a weak reference to it, its input,
-        #: the softmax's dim; None for a sigmoid).
-        self._softmaxes: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int | None]] = {}
-        #: The normal CDFs the code took: ``id(output)`` -> (a weak reference to it, its input, the scale that makes it
-        #: z: sqrt(2) for an erf's input). ``log(ndtr(z))`` is
-        #: -inf where the CDF underflowed to 0 (z < -38 in float32), ``special.log_ndtr(z)`` finite there.
-        self._cdfs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, float]] = {}
-        #: ... and the steps of one computed by erf: ``id(output)`` -> (a weak reference to it, z, the stage).
-        self._erfs: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int]] = {}
+        #: The softmax, sigmoid and normal CDF outputs the module made, and the stages of a CDF computed by erf (the
+        #: erf: 0, its ``1 + erf``: 1): ``id(output)`` -> what it is. ``log(ndtr(z))`` is -inf where the CDF
+        #: underflowed to 0 (z < -38 in float32), ``special.log_ndtr(z)`` finite there.
+        self._logged: dict[int, _Logged] = {}
+        #: Why a form met at the line was not used: ``"written"`` (it or its input written in place since it was
+        #: made), ``"differs"`` (the form is not the line's own value where that is finite); :func:`declined`.
+        self.declined: str | None = None
+        #: Whether every op fused was torch's own, called at the line itself (the suggested edit rewrites it there).
+        self.at_line: bool | None = None
         #: The form used, for the description: ``"max-subtracted exp"``, ``"log_softmax"``, ``"logsigmoid"`` or
         #: ``"log_ndtr"``.
         self.form: str | None = None
         #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
         self.checked = 0.0
 
-    def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any) -> None:
-        """A call the producing module made (anywhere in it): a softmax's or sigmoid's output is remembered."""
+    def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any, at_line: bool = False
+             ) -> None:
+        """A call the producing module made (anywhere in it; ``at_line``: at the producer's line): a softmax's,
+        sigmoid's or normal CDF's output is remembered. One given a keyword that changes its value (``out=``, an
+        ``alpha``) is not: its fused form would compute another value."""
         name = function_name(func)
         if self.softplus and isinstance(result, torch.Tensor) and args:
             self._exp_or_sum(name, args, kwargs, result)
             return
-        if name in ("softmax", "sigmoid") and isinstance(result, torch.Tensor) and args:
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None) if name == "softmax" else None
-            if isinstance(dim, int) or name == "sigmoid":
-                self._softmaxes[id(result)] = (weakref.ref(result), args[0], dim)
-        if isinstance(result, torch.Tensor) and args:
-            self._cdf(name, args, result)
+        if not isinstance(result, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+            return
+        x = args[0]
+        if name == "softmax" and set(kwargs) <= {"dim", "dtype", "_stacklevel"} and len(args) <= 3:  # (F.softmax's)
+            dim, dtype = kwargs.get("dim", args[1] if len(args) > 1 else None), kwargs.get(
+                "dtype", args[2] if len(args) > 2 else None)
+            if isinstance(dtype, bool):  # (aten's _softmax(x, dim, half_to_float))
+                dtype = torch.float32 if dtype else None
+            if isinstance(dim, int) and (dtype is None or isinstance(dtype, torch.dtype)):
+                self._remember(result, x, "log_softmax", at_line, lambda: torch.log_softmax(x, dim, dtype=dtype))
+        elif name == "sigmoid" and not kwargs and len(args) == 1:
+            self._remember(result, x, "logsigmoid", at_line, lambda: torch.nn.functional.logsigmoid(x))
+        else:
+            self._cdf(name, args, kwargs, result, at_line)
+
+    def _remember(self, result: torch.Tensor, source: torch.Tensor, form: str, at_line: bool,
+                  fused: Callable[[], torch.Tensor] | None, written: bool = False, stage: int = 2) -> None:
+        self._logged[id(result)] = _Logged(weakref.ref(result), result._version, source, source._version, form,
+                                           fused, at_line, written, stage)
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
@@ -99,11 +152,15 @@ class StableFix:
             known_exp = self._exps.get(id(operand))
             # log of 1 + exp(x) (a sum remembered), log1p of exp(x) (an exp remembered), neither written since
             if (name in ("log", "log1p") and known_exp is not None and known_exp[0]() is operand
-                    and (name == "log") == known_exp[2] and operand._version == known_exp[3]):
+                    and (name == "log") == known_exp[2] and not kwargs):
+                self.form = "softplus"
+                if operand._version != known_exp[3] or known_exp[1]._version != known_exp[4]:
+                    self.declined = "written"
+                    return None
                 softplus = torch.nn.functional.softplus(known_exp[1])
                 if _same_where_finite(softplus, torch.log(operand) if name == "log" else torch.log1p(operand)):
-                    self.form = "softplus"
                     return softplus
+                self.declined = "differs"
             return None
         if self.function == "exp" and name == "exp":
             self.form = "max-subtracted exp"
@@ -112,47 +169,56 @@ class StableFix:
                 rows = torch.arange(shift.numel(), device=shift.device).reshape(shift.shape)
                 return torch.exp(operand - shift) * (2.0 ** (3 + rows % 2)).to(operand.dtype)
             return torch.exp(operand - shift)
-        if self.function == "log" and name == "log":
-            known = self._softmaxes.get(id(operand))
-            if known is not None and known[0]() is operand:
-                if known[2] is None:
-                    self.form = "logsigmoid"
-                    return torch.nn.functional.logsigmoid(known[1])
-                self.form = "log_softmax"
-                return torch.log_softmax(known[1], dim=known[2])
-            cdf = self._cdfs.get(id(operand))
-            if cdf is not None and cdf[0]() is operand:
-                self.form = "log_ndtr"
-                return torch.special.log_ndtr(cdf[1] * cdf[2] if cdf[2] != 1.0 else cdf[1])
+        if self.function == "log" and name == "log" and not kwargs and len(args) == 1:
+            known = self._logged.get(id(operand))
+            if known is None or known.ref() is not operand or known.fused is None:
+                return None
+            self.form = known.form
+            if known.is_written(operand):
+                self.declined = "written"
+                return None
+            fused = known.fused()
+            if not _same_probability(fused, operand):
+                self.declined = "differs"
+                return None
+            self.at_line = known.at_line and self.at_line is not False
+            return fused
         return None
 
 
-    def _cdf(self, name: str, args: Sequence[Any], result: torch.Tensor) -> None:
+    def _cdf(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], result: torch.Tensor,
+             at_line: bool) -> None:
         """Remembers a normal CDF: ``special.ndtr(z)``, or as it is computed, ``0.5 * (1 + erf(z / sqrt(2)))`` (the
-        recorded ops of ndtr, ``Normal.cdf``): the erf (stage 0), the 1 added (1), the half taken (the CDF of z)."""
-        if name == "special_ndtr" and isinstance(args[0], torch.Tensor):
-            self._cdfs[id(result)] = (weakref.ref(result), args[0], 1.0)
-            return
-        if name == "erf" and isinstance(args[0], torch.Tensor):
-            self._erfs[id(result)] = (weakref.ref(result), args[0], 0)
+        recorded ops of ndtr, ``Normal.cdf``): the erf (stage 0), the 1 added (1), the half taken (the CDF of z).
+        A stage written in place is carried as written: the log of the CDF is then said not to be fused, and why."""
+        if name in ("special_ndtr", "erf") and not kwargs and len(args) == 1:
+            z = args[0]
+            if name == "erf":
+                self._remember(result, z, "log_ndtr", at_line, None, stage=0)
+            else:
+                self._remember(result, z, "log_ndtr", at_line, functools.partial(_log_ndtr, z, 1.0))
             return
         stage = 0 if name in _ADDS else 1 if name in _MULS else None
-        if stage is None or len(args) != 2:
+        if stage is None or len(args) != 2 or (kwargs and kwargs != {"alpha": 1}):
             return
         for tensor, other in ((args[0], args[1]), (args[1], args[0])):
-            known = self._erfs.get(id(tensor))
-            if known is None or known[0]() is not tensor or known[2] != stage or not _is(other, 1.0 - 0.5 * stage):
+            known = self._logged.get(id(tensor))
+            if (known is None or not isinstance(tensor, torch.Tensor) or known.ref() is not tensor
+                    or known.fused is not None or known.stage != stage or not _is(other, 1.0 - 0.5 * stage)):
                 continue
+            # (every stage at the line: torch's ndtr there, as the loss code's recorded ops compute it)
+            z, written, at_line = known.source, known.is_written(tensor), known.at_line and at_line
             if stage == 0:
-                self._erfs[id(result)] = (weakref.ref(result), known[1], 1)
+                self._remember(result, z, "log_ndtr", at_line, None, written, stage=1)
             else:
-                self._cdfs[id(result)] = (weakref.ref(result), known[1], math.sqrt(2.0))
+                self._remember(result, z, "log_ndtr", at_line, functools.partial(_log_ndtr, z, math.sqrt(2.0)),
+                               written)
             return
 
     def _exp_or_sum(self, name: str, args: Sequence[Any], kwargs: dict[str, Any], result: torch.Tensor) -> None:
         """Remembers an exp's output (its key the output itself) and a ``1 + exp(x)`` (x)."""
         if name == "exp" and isinstance(args[0], torch.Tensor):
-            self._exps[id(result)] = (weakref.ref(result), args[0], False, result._version)
+            self._exps[id(result)] = (weakref.ref(result), args[0], False, result._version, args[0]._version)
             return
         if name not in _ADDS or len(args) != 2 or kwargs.get("alpha", 1) != 1:
             return
@@ -160,7 +226,7 @@ class StableFix:
             known = self._exps.get(id(tensor))
             if (known is not None and isinstance(tensor, torch.Tensor) and known[0]() is tensor and not known[2]
                     and tensor._version == known[3] and _one(other)):
-                self._exps[id(result)] = (weakref.ref(result), known[1], True, result._version)
+                self._exps[id(result)] = (weakref.ref(result), known[1], True, result._version, known[4])
                 return
 
 
@@ -174,6 +240,11 @@ class _Softplus(StableFix):
 
     def renewed(self) -> _Softplus:
         return _Softplus()
+
+
+def _log_ndtr(z: torch.Tensor, scale: float) -> torch.Tensor:
+    """``special.log_ndtr`` of z (times the scale that makes an erf's input z: sqrt(2))."""
+    return torch.special.log_ndtr(z * scale if scale != 1.0 else z)
 
 
 def _one(value: Any) -> bool:
@@ -195,6 +266,34 @@ def _same_where_finite(softplus: torch.Tensor, line: torch.Tensor) -> bool:
     finite = torch.isfinite(line)
     tolerance = 16 * torch.finfo(line.dtype).eps
     return bool(torch.isclose(softplus[finite], line[finite], rtol=tolerance, atol=tolerance).all())
+
+
+def _same_probability(fused: torch.Tensor, line: torch.Tensor) -> bool:
+    """Whether a fused log (``log_softmax``, ``logsigmoid``, ``log_ndtr``) is the log of the line's own operand
+    wherever that log is finite: compared as probabilities, ``exp(fused)`` with the operand, within the dtype's
+    rounding (a ``1 + erf`` rounds to eps absolutely, a subnormal CDF coarsely: both are close there)."""
+    with torch.no_grad():
+        line = line.detach()
+        if fused.shape != line.shape:
+            return False
+        finite = torch.isfinite(line) & (line > 0)
+        tolerance = 32 * torch.finfo(line.dtype).eps
+        mine = fused.detach().exp().to(line.dtype)
+        return bool(torch.isclose(mine[finite], line[finite], rtol=tolerance, atol=tolerance).all())
+
+
+def declined(remedy: object) -> str | None:
+    """Why a fused form met at the line was not tried (:attr:`StableFix.declined`), or None."""
+    if not isinstance(remedy, StableFix) or remedy.declined is None:
+        return None
+    why, form = remedy.declined, remedy.form or "the fused form"
+    logged = _LOGGED.get(form, "value")
+    if why == "written":
+        return (f"the {logged} the line takes the log of (or its input) was written in place after it was "
+                f"computed, so {form} of its input is no longer the line's value: fusing it would change what the "
+                "line computes")
+    return (f"{form} of the {logged}'s input is not the line's own value where that is finite: fusing it would "
+            "change what the line computes")
 
 
 def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutcome, Any, bool]:

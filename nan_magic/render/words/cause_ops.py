@@ -81,11 +81,15 @@ _EDGES: dict[str, tuple[str, str, str]] = {
 }
 
 
+_WRITTEN = {"special_ndtri": "ndtri"}
+
+
 def _edge_hint(event: Report, cause: Cause) -> str:
     base = cause.fact("base")
     edges, beyond, text = _EDGES.get(base, _EDGES["atanh" if cause.reading == "atanh-edge" else "logit"])
-    return (f"{base} in {where(event)} got {counted(event.posinf + event.neginf, 'value')} at {edges} and "
-            f"{event.nan} {beyond}: {text}")
+    # (the aten name of torch.special.ndtri is special_ndtri: said as the user wrote it)
+    return (f"{_WRITTEN.get(base, base)} in {where(event)} got {counted(event.posinf + event.neginf, 'value')} "
+            f"at {edges} and {event.nan} {beyond}: {text}")
 
 
 def _logdet_hint(event: Report, cause: Cause) -> str:
