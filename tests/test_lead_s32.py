@@ -57,3 +57,26 @@ def test_a_linalg_error_is_the_users_to_catch_in_every_mode(options: dict) -> No
     model = _InvertsASingularMatrix()
     with pytest.raises(torch.linalg.LinAlgError), nan_magic.watch(model, **options):
         model(torch.ones(1, 2))
+
+
+class _EarlyStop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+def test_a_users_unrelated_error_after_a_benign_scaler_overflow_stays_the_users(options: dict) -> None:
+    # calm-s32-fix raised a GradScaler's held overflow on any exception exit: the scaler's usual first overflows
+    # (it would skip the step and lower its scale) became a backward NaN report in place of the user's own error
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    x = torch.randn(16, 4) * 1e-20
+    with torch.no_grad():  # the activations' gradients overflow under the scale, the scaled loss does not
+        model[2].weight.mul_(1e3)
+        model[0].bias.zero_()
+        model[2].bias.zero_()
+    with pytest.raises(_EarlyStop), nan_magic.watch(model, **options):
+        opt.zero_grad()
+        scaler.scale(model(x).mean()).backward()
+        raise _EarlyStop("the user's own, before the scaler's step")

@@ -12,6 +12,7 @@ they use are the cycle's, set by its ``__init__`` (declared here for the type ch
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
@@ -104,19 +105,21 @@ class CycleExit:
         # An error of the user's code (not ours, not an interrupt) may have a non-finite cause.
         explainable = isinstance(exc, Exception) and not isinstance(exc, NonFiniteError)
         if explained is None and explainable:
-            explained = (self.timing.pending_at_exit(self) or self._raise_held_overflow()
+            explained = (self.timing.pending_at_exit(self) or self._raise_held_overflow(exc)
                          or self._explain_failed_op(exc) or self._explain_anomaly(exc)
                          or (None if self.outcome.stopped else self.held.explain()))  # (held_batch.py)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left
 
-    def _raise_held_overflow(self) -> NonFiniteError | None:
-        """A backward event a GradScaler held (optim.py) when the loop raised its own error before the scaler decided
-        on the step (``clip_grad_norm_(error_if_nonfinite=True)`` after ``unscale_``): raised as it was found."""
-        finding, self.optimizers.pending_overflow = self.optimizers.pending_overflow, None
-        if finding is None or self.outcome.stopped:
+    def _raise_held_overflow(self, exc: BaseException) -> NonFiniteError | None:
+        """A backward event a GradScaler held (optim.py) when reading those gradients raised before the scaler decided
+        on the step (``clip_grad_norm_(error_if_nonfinite=True)`` after ``unscale_``): raised as it was found. Any
+        other error of the user's (logging, an early stop, the data running out) is theirs: the held overflow may be
+        the scaler's usual one, which it would have skipped."""
+        if self.optimizers.pending_overflow is None or self.outcome.stopped or not _from_clipping(exc):
             return None
+        finding, self.optimizers.pending_overflow = self.optimizers.pending_overflow, None
         try:
             self._emit(finding)
         except NonFiniteError as error:
@@ -169,3 +172,17 @@ class CycleExit:
 #: What torch's anomaly mode says as it stops a backward at a NaN ("Function 'SqrtBackward0' returned nan values in
 #: its 0th output."): torch's message, not one of ours.
 _ANOMALY = "returned nan values in its"
+
+
+#: torch's gradient clipping, whose ``error_if_nonfinite`` raises on the gradients a scaler's overflow made.
+_CLIP_GRAD = os.path.join("torch", "nn", "utils", "clip_grad.py")
+
+
+def _from_clipping(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch's gradient clipping (reading the held gradients)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_CLIP_GRAD):
+            return True
+        tb = tb.tb_next
+    return False
