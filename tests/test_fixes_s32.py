@@ -128,7 +128,7 @@ def test_a_clamp_of_a_parameter_at_its_boundary_is_not_a_fix(name: str, paramete
     text, html = " ".join(report.to_text().split()), " ".join(report.to_html().split())
     said = "not a fix, though the step came out finite"
     assert said in text and said in html and f"0 of {len(report.fixes)} verified" in text
-    assert f"the operand is the trained parameter {parameter}, every value out of the domain and replaced" in text
+    assert f"the operand is the trained parameter {parameter}: every value the line reads of it was clamped" in text
     assert "nm-unverified" in html and "nm-verified" not in html.replace("nm-unverified", "")
     by_hand = {"sqrt-of-zero-param": sqrt_of_zero_param_by_hand, "zero-temperature": zero_temperature_by_hand,
                "zero-variance": zero_variance_by_hand}[name]()

@@ -95,7 +95,7 @@ def parameter_operand(tensor: torch.Tensor) -> Behind | None:
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
             shared = tensor.untyped_storage().data_ptr() == variable.untyped_storage().data_ptr()
-            return id(variable), ((tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()) if shared
+            return id(variable), ((tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())) if shared
                                   else None)
         if not type(node).__name__.startswith(_SAME_VALUES):
             return None
