@@ -312,4 +312,4 @@ def test_two_models_watched_the_title_says_the_other_model_calls(mode: str) -> N
     assert report.model_call == 2
     text = _text(report)
     assert "Fixes tried on a replay of step 0's 2nd model call alone (the step's other model calls were not " \
-           "replayed)" in text and "micro-batches" not in text
+           "replayed; on copies: your model, optimizer and data are untouched)" in text and "micro-batches" not in text

@@ -194,10 +194,11 @@ def fixes_title(report: Report) -> str:
     # (a later model call's event, a micro-batch's or another model's: the trials replay that call alone, and step
     # on its gradients alone)
     others = "model calls" if report.models_watched > 1 else "micro-batches"
-    alone = (f"'s {ordinal(report.model_call)} model call alone (the step's other {others} were not replayed)"
-             if isinstance(report.model_call, int) and report.model_call else "")
-    return (f"Fixes tried on a replay of step {report.step}{alone} (on copies: your model, optimizer and data are "
-            f"untouched): {verified} of {len(report.fixes)} verified")
+    later = report.model_call if isinstance(report.model_call, int) else 0
+    alone = f"'s {ordinal(later)} model call alone" if later else ""
+    skipped = f"the step's other {others} were not replayed; " if later else ""
+    return (f"Fixes tried on a replay of step {report.step}{alone} ({skipped}on copies: your model, optimizer and "
+            f"data are untouched): {verified} of {len(report.fixes)} verified")
 
 
 def fixes_text(report: Report) -> str:
