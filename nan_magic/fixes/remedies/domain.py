@@ -94,7 +94,10 @@ def parameter_operand(tensor: torch.Tensor) -> Behind | None:
             return None
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
-            shared = tensor.untyped_storage().data_ptr() == variable.untyped_storage().data_ptr()
+            try:
+                shared = tensor.untyped_storage().data_ptr() == variable.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage: the whole parameter)
+                shared = False
             return id(variable), ((tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())) if shared
                                   else None)
         if not type(node).__name__.startswith(_SAME_VALUES):
@@ -147,10 +150,13 @@ class DomainFix:
             if id(parameter) not in places or id(parameter) not in grads:
                 continue
             grad = grads[id(parameter)]
-            with torch.no_grad():
-                read = torch.stack([behind_mask(parameter, where) for where in places[id(parameter)]]).any(0)
-                if grad is None or not bool((grad[read] != 0).any()):
-                    frozen.append(name)
+            try:
+                with torch.no_grad():
+                    read = torch.stack([behind_mask(parameter, where) for where in places[id(parameter)]]).any(0)
+                    if grad is None or not bool((grad[read] != 0).any()):
+                        frozen.append(name)
+            except (RuntimeError, NotImplementedError, IndexError):  # (not read: no verdict of frozen)
+                continue
         return tuple(frozen)
 
     def renewed(self) -> DomainFix:
