@@ -111,6 +111,8 @@ class StepOutcome:
     #: The trained parameters that were an operand the remedy moved whole and got no gradient at all: it froze
     #: them (a clamp of ``sqrt(scale)`` at ``scale = 0``: ``scale`` would never leave 0).
     frozen: tuple[str, ...] = ()
+    #: Each trained parameter's gradient by its id (the frozen rule reads those elements a remedy moved).
+    grads: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
 
 
 def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepOutcome, Remedy, bool]:
@@ -177,7 +179,8 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             if mode is not None and site is not None and site.in_backward:
                 stack.callback(in_backward_nodes(mode, site.in_backward, [t for _, t in _floating(output)]))
             _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)
-            outcome.frozen = _frozen(outcome, parameters, getattr(remedy, "behind", None))
+            frozen = getattr(remedy, "frozen", None)
+            outcome.frozen = frozen(parameters, outcome.grads) if callable(frozen) and outcome.grads else ()
             if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
                     step.target, parameters, root, mode, writes, remedy):
                 outcome.failed = "next forward"
@@ -189,15 +192,6 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             outcome.applied = remedied.applied
     outcome.seconds = time.perf_counter() - start
     return outcome
-
-
-def _frozen(outcome: StepOutcome, parameters: dict[str, torch.Tensor], behind: set[int] | None) -> tuple[str, ...]:
-    """The trained parameters that were a wholly moved operand (remedies/domain.py) whose gradient came out 0."""
-    if not behind or not outcome.gradients:
-        return ()
-    trained = [(name, parameter) for name, parameter in parameters.items() if parameter.requires_grad]
-    return tuple(name for (name, parameter), total in zip(trained, outcome.gradients)
-                 if not total and id(parameter) in behind)
 
 
 def _next_forward_fails(target: nn.Module, parameters: dict[str, torch.Tensor], root: RootCall, mode: Any,
@@ -374,6 +368,7 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     # (each parameter's gradient, summed: remedies/stable.py's check of a rewrite compares them, where a float16
     # loss rounds a changed term away)
     outcome.gradients = tuple(None if grad is None else float(grad.double().abs().sum()) for grad in grads)
+    outcome.grads = {id(parameter): grad for parameter, grad in zip(parameters, grads)}
     outcome.gradient_eps = max((torch.finfo(grad.dtype).eps for grad in grads if grad is not None), default=0.0)
     if not optimizers:
         return

@@ -19,6 +19,7 @@ from nan_magic.locations import name_location
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.words.cause_words import fmt
 from nan_magic.render.words.counted import counted, ordinal
+from nan_magic.render.words.fix_verdicts import diverged_words, frozen_words, milliseconds
 
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title", "suggested_edit"]
 
@@ -106,25 +107,14 @@ def _redone_from(trial: FixTrial) -> str:
     return "" if trial.fact("from_step") is None else f" from the state after step {trial.fact('from_step')}"
 
 
-def _not_stepped(trial: FixTrial) -> str:
-    return "" if trial.fact("stepped") or trial.fact("stepped") is None else ", no optimizer step replayed"
-
-
 def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     """What the trial came to; ``made`` is what the producer made (an x/0 that made only infinities hid no NaN)."""
     if trial.finite is None and trial.fact("changes_value"):
         return f"not a fix, though the step came out finite: {trial.untried}"  # (fixes/remedies/stable.py)
     if trial.finite is None and trial.fact("frozen"):
-        names, loss = ", ".join(trial.fact("frozen")), "" if trial.loss is None else f" (loss {fmt(trial.loss)})"
-        return (f"not a fix, though the step came out finite{loss}: the operand is the trained parameter {names}, "
-                f"every value out of the domain and replaced, so the clamp passes it no gradient: it stays where it "
-                f"is and never trains (the {made} is hidden, not fixed){_not_stepped(trial)}")
-    if trial.finite is None and trial.fact("diverged_before"):
-        at, loss, lowest_step, lowest = trial.fact("diverged_before")
-        return (f"not a fix, though the step came out finite (loss {fmt(trial.loss)}): the state it was redone "
-                f"from had already diverged (the loss at step {at} was {fmt(loss)}, {fmt(loss / lowest)}x the lowest, "
-                f"{fmt(lowest)} at step {lowest_step}): lowering one update cannot undo the ones before it (the "
-                "learning rate is the run's to lower, as the cause says)")
+        return frozen_words(trial.fact("frozen"), trial.loss, made, trial.fact("stepped"))
+    if trial.finite is None and (trial.fact("diverged_before") or trial.fact("still_diverged")):
+        return diverged_words(trial.fact("diverged_before"), trial.fact("still_diverged"), trial.loss)
     if trial.finite is None:
         return f"not tried: {trial.untried}"
     if not trial.finite:
@@ -189,7 +179,11 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
     lines = []
     made = "NaN" if report.nan or not report.nonfinite else "inf"
     for trial in report.fixes:
-        text = f"{trial.kind}: {trial.description} -> {_outcome(trial, made)} ({trial.seconds * 1000:.0f} ms)"
+        try:
+            said = f"{trial.description} -> {_outcome(trial, made)}"
+        except Exception:  # (a sentence never costs the user the report: the verdict alone)
+            said = f"-> {'verified: the step came out finite' if trial.finite else 'not a fix'}"
+        text = f"{trial.kind}: {said} ({milliseconds(trial.seconds)} ms)"
         edit = suggested_edit(trial) if trial.finite else None
         lines.append((trial, text, edit))
     return lines
@@ -197,11 +191,14 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
 
 def fixes_title(report: Report) -> str:
     verified = sum(1 for trial in report.fixes if trial.finite)
-    # (a later micro-batch's event: the trials replay that model call alone, and step on its gradients alone)
-    alone = (f"'s {ordinal(report.model_call)} model call alone (the step's other micro-batches were not replayed)"
-             if report.model_call else "")
-    return (f"Fixes tried on a replay of step {report.step}{alone} (on copies: your model, optimizer and data are "
-            f"untouched): {verified} of {len(report.fixes)} verified")
+    # (a later model call's event, a micro-batch's or another model's: the trials replay that call alone, and step
+    # on its gradients alone)
+    others = "model calls" if report.models_watched > 1 else "micro-batches"
+    later = report.model_call if isinstance(report.model_call, int) else 0
+    alone = f"'s {ordinal(later)} model call alone" if later else ""
+    skipped = f"the step's other {others} were not replayed; " if later else ""
+    return (f"Fixes tried on a replay of step {report.step}{alone} ({skipped}on copies: your model, optimizer and "
+            f"data are untouched): {verified} of {len(report.fixes)} verified")
 
 
 def fixes_text(report: Report) -> str:

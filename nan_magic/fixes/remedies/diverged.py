@@ -32,9 +32,10 @@ from nan_magic.records import FixTrial, Report
 from nan_magic.scene.last_good import LastGood
 from nan_magic.step_records import StepSummary
 
-__all__ = ["DIVERGED", "LINEAR", "diverged_before", "lowered_update", "lr_trial"]
+__all__ = ["DIVERGED", "LINEAR", "diverged_before", "diverged_loss", "lowered_update", "lr_trial"]
 
-#: A loss this many times the lowest before it: the run had diverged (a lowered update from there is no fix).
+#: A loss this many times the run's scale (its first losses' magnitude) over the lowest before it: the run had
+#: diverged (a lowered update from there, or to there, is no fix).
 DIVERGED = 1e3
 
 #: Optimizers whose whole update is the learning rate times a step that does not depend on it.
@@ -89,20 +90,39 @@ def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], 
 _DECAY_SCALES = frozenset({"SGD", "AdamW"})
 
 
+def _lowest(history: Iterable[StepSummary], upto: int) -> tuple[int, float, float] | None:
+    """``(step, loss, scale)``: the lowest signed loss of the steps up to ``upto``, and the magnitude of the losses
+    up to it and of the first five (the run's own scale: a loss crossing 0, negative, or 0 at a warmup's first step is
+    measured against it, never against the lowest's own size); None where that scale is 0 or nothing is known."""
+    earlier = [(entry.step, float(entry.loss)) for entry in history if entry.loss is not None and
+               math.isfinite(entry.loss) and entry.step <= upto]
+    if not earlier:
+        return None
+    at = min(range(len(earlier)), key=lambda index: earlier[index][1])
+    scale = max(abs(loss) for _step, loss in earlier[:max(at + 1, 5)])
+    return (earlier[at][0], earlier[at][1], scale) if scale > 0 else None
+
+
+def diverged_loss(history: Iterable[StepSummary], upto: int, loss: float | None) -> tuple[int, float] | None:
+    """``(the step of the lowest loss up to step upto, that loss)`` where ``loss`` rose above it by more than
+    :data:`DIVERGED` times the run's scale (:func:`_lowest`): a run diverged, not one that crossed 0 or improved."""
+    lowest = _lowest(history, upto)
+    if lowest is None or loss is None or not math.isfinite(loss):
+        return None
+    step, low, scale = lowest
+    return (step, low) if loss - low > DIVERGED * scale else None
+
+
 def diverged_before(history: Iterable[StepSummary], from_step: int) -> tuple[int, float, int, float] | None:
     """``(step, its loss, the step of the lowest loss before it, that loss)`` where the state a lowered update is
-    redone from (the one kept after ``from_step``, whose loss step ``from_step + 1`` computed) had already diverged:
-    its loss :data:`DIVERGED`-fold over the lowest before it. Lowering the one update after it makes the failing
-    step finite at best, from parameters that no longer train (by hand, a loss of 7e35 where the run began at 5):
-    the learning rate was too high long before."""
-    losses = [(entry.step, abs(entry.loss)) for entry in history
-              if entry.loss is not None and math.isfinite(entry.loss)]
-    at = next((loss for step, loss in losses if step == from_step + 1), None)
-    earlier = [(loss, step) for step, loss in losses if step <= from_step]
-    if at is None or not earlier:
-        return None
-    lowest, lowest_step = min(earlier)
-    return (from_step + 1, at, lowest_step, lowest) if at > DIVERGED * max(lowest, 1e-30) else None
+    redone from (the one kept after ``from_step``, whose loss step ``from_step + 1`` computed) had already diverged
+    (:func:`diverged_loss`). Lowering the one update after it makes the failing step finite at best, from parameters
+    that no longer train (by hand, a loss of 7e35 where the run began at 3): the learning rate was too high long
+    before."""
+    history = list(history)
+    at = next((entry.loss for entry in history if entry.step == from_step + 1), None)
+    gone = diverged_loss(history, from_step, at)
+    return None if gone is None or at is None else (from_step + 1, float(at), *gone)
 
 
 def _number(value: float | torch.Tensor) -> float:
@@ -126,10 +146,12 @@ def lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last
     if lowered is None:
         return at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
     outcome = replay_step(lowered, None, None)
-    # (from a state that had already diverged, a finite step is no fix: not counted as one, and said why)
+    # (from a state that had already diverged, or to a loss the run's scale over its lowest, a finite step is no fix:
+    # not counted as one, and said why)
     gone = diverged_before(report.history, report.step - 2) if outcome.failed is None else None
-    facts |= {"diverged_before": gone} if gone else {}
+    still = diverged_loss(report.history, report.step - 1, outcome.loss) if outcome.failed is None else None
+    facts |= {"diverged_before": gone} if gone else {"still_diverged": still} if still else {}
     return at_producer("lr", report, facts=(*step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
-                       finite=None if gone else outcome.failed is None, loss=outcome.loss,
+                       finite=None if gone or still else outcome.failed is None, loss=outcome.loss,
                        output_change=output_change(base, outcome),
                        seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)

@@ -21,7 +21,7 @@ import torch
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.fixes.site import function_name
 
-__all__ = ["FUNCTIONS", "DomainFix", "denominator_form", "parameter_operand"]
+__all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand"]
 
 _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
@@ -69,24 +69,37 @@ def denominator_form(denominator: torch.Tensor) -> str:
     return "clamp_min" if bool((denominator >= 0).all()) else "zeros"
 
 
-#: Autograd nodes that only view, reshape, copy or cast: a parameter seen through them is the operand itself.
+#: Autograd nodes that only view, reshape, copy or cast: a parameter seen through them is the operand itself (a
+#: part of it: a row, a transpose, one element of a vector).
 _SAME_VALUES = ("ViewBackward", "ExpandBackward", "UnsqueezeBackward", "SqueezeBackward", "TBackward",
-                "PermuteBackward", "ReshapeAlias", "AliasBackward", "CloneBackward", "ToCopyBackward", "UnsafeView")
+                "TransposeBackward", "PermuteBackward", "ReshapeAlias", "AliasBackward", "CloneBackward",
+                "ToCopyBackward", "UnsafeView", "SelectBackward", "SliceBackward", "SplitBackward",
+                "SplitWithSizesBackward", "UnbindBackward", "RepeatBackward", "AsStridedBackward", "DiagonalBackward",
+                "NarrowBackward", "UnfoldBackward")
+
+#: ``(the parameter's id, the operand's (size, stride, storage offset) over the parameter's storage, or None where it
+#: holds copies of the values (a clone, a cast, a repeat): the whole parameter is behind it)``.
+Behind = tuple[int, "tuple[tuple[int, ...], tuple[int, ...], int] | None"]
 
 
-def parameter_operand(tensor: torch.Tensor) -> int | None:
-    """The id of the trained leaf tensor (a parameter) that ``tensor`` is, seen through views, reshapes, copies and
-    casts only; None where the operand is computed from it (a clamp there cuts one batch's gradient, which may be
-    right: ``acos`` of a cosine at 1 sits at its minimum)."""
+def parameter_operand(tensor: torch.Tensor) -> Behind | None:
+    """The trained leaf tensor (a parameter) that ``tensor`` is, seen through views, reshapes, copies and casts
+    only, and where its values sit in that parameter; None where the operand is computed from it (a clamp there cuts
+    one batch's gradient, which may be right: ``acos`` of a cosine at 1 sits at its minimum)."""
     node = tensor.grad_fn
     if node is None:
-        return id(tensor) if tensor.requires_grad else None
+        return (id(tensor), None) if tensor.requires_grad else None
     for _hop in range(8):
         if node is None:
             return None
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
-            return id(variable)
+            try:
+                shared = tensor.untyped_storage().data_ptr() == variable.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage: the whole parameter)
+                shared = False
+            return id(variable), ((tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())) if shared
+                                  else None)
         if not type(node).__name__.startswith(_SAME_VALUES):
             return None
         following = [step for step, _index in node.next_functions if step is not None]
@@ -94,6 +107,19 @@ def parameter_operand(tensor: torch.Tensor) -> int | None:
             return None
         node = following[0]
     return None
+
+
+def behind_mask(parameter: torch.Tensor, where: tuple[tuple[int, ...], tuple[int, ...], int] | None
+                ) -> torch.Tensor:
+    """The elements of ``parameter`` an operand read (:func:`parameter_operand`'s place): every one where None."""
+    if where is None:
+        return torch.ones(parameter.shape, dtype=torch.bool, device=parameter.device)
+    size, stride, offset = where
+    cells = parameter.untyped_storage().nbytes() // max(1, parameter.element_size())
+    positions = torch.arange(cells, device=parameter.device)
+    read = torch.zeros(cells, dtype=torch.bool, device=parameter.device)
+    read[positions.as_strided(size, stride, offset).reshape(-1)] = True
+    return read.as_strided(tuple(parameter.shape), tuple(parameter.stride()), parameter.storage_offset())
 
 
 class DomainFix:
@@ -108,10 +134,30 @@ class DomainFix:
         self.form: str | None = None
         #: Operand values moved, of how many: every one means the output no longer depends on the operand.
         self.moved = self.total = 0
-        #: The ids of the parameters that were an operand whose every value was moved (a learned scale at 0 under
-        #: a sqrt): the clamp passes them no gradient, so they stay where they are, step after step (step.py names
-        #: those that got none at all: frozen).
-        self.behind: set[int] = set()
+        #: The parameters (their parts: a row, one element) that were an operand whose every value was moved (a
+        #: learned scale at 0 under a sqrt): the clamp passes them no gradient, so they stay where they are, step
+        #: after step (step.py names those whose every element behind it got none at all: frozen).
+        self.behind: list[Behind] = []
+
+    def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
+        """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
+        element behind an operand this remedy moved whole got no gradient at all (through every path)."""
+        places: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], int] | None]] = {}
+        for leaf, where in self.behind:
+            places.setdefault(leaf, []).append(where)
+        frozen = []
+        for name, parameter in parameters.items():
+            if id(parameter) not in places or id(parameter) not in grads:
+                continue
+            grad = grads[id(parameter)]
+            try:
+                with torch.no_grad():
+                    read = torch.stack([behind_mask(parameter, where) for where in places[id(parameter)]]).any(0)
+                    if grad is None or not bool((grad[read] != 0).any()):
+                        frozen.append(name)
+            except (RuntimeError, NotImplementedError, IndexError):  # (not read: no verdict of frozen)
+                continue
+        return tuple(frozen)
 
     def renewed(self) -> DomainFix:
         """The same remedy, nothing counted yet (for a second trial of it)."""
@@ -141,7 +187,7 @@ class DomainFix:
         self.moved += changed
         self.total += operand.numel()
         if changed == operand.numel() and operand.requires_grad and (leaf := parameter_operand(operand)) is not None:
-            self.behind.add(leaf)
+            self.behind.append(leaf)
         if index == 0 and name.endswith("_") and not name.startswith("__"):
             # ``p.log_()``: the operand is the tensor written, clamped in place first (``p.clamp_min_(eps).log_()``;
             # a copy_ of the clamp would overwrite what the clamp's own backward reads).
