@@ -80,3 +80,33 @@ def test_a_users_unrelated_error_after_a_benign_scaler_overflow_stays_the_users(
         opt.zero_grad()
         scaler.scale(model(x).mean()).backward()
         raise _EarlyStop("the user's own, before the scaler's step")
+
+
+class _BansAnAction(nn.Module):
+    """A policy banning action 0 through ``.data`` after its softmax (its log-probability -inf on purpose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.fc(x), -1)
+        p.data[:, 0] = 0.0
+        return torch.log(p)
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "full"}, {"ops": True}], ids=["default", "full", "ops"])
+def test_a_log_of_a_softmax_zeroed_through_data_is_not_verified_as_log_softmax(options: dict) -> None:
+    # hunt-s32-fix compared the fused form with the user's probabilities only where they were > 0: log_softmax puts
+    # about -3 where the user's log is -inf on purpose, and read "verified"
+    torch.manual_seed(0)
+    model = _BansAnAction()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for _ in range(2):
+            loss = -model(torch.randn(6, 4))[:, 1].mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    stable = [trial for trial in caught.value.report.fixes if trial.kind == "stable"]
+    assert stable and all(trial.finite is not True for trial in stable), caught.value.report.fixes

@@ -271,12 +271,14 @@ def _same_where_finite(softplus: torch.Tensor, line: torch.Tensor) -> bool:
 def _same_probability(fused: torch.Tensor, line: torch.Tensor) -> bool:
     """Whether a fused log (``log_softmax``, ``logsigmoid``, ``log_ndtr``) is the log of the line's own operand
     wherever that log is finite: compared as probabilities, ``exp(fused)`` with the operand, within the dtype's
-    rounding (a ``1 + erf`` rounds to eps absolutely, a subnormal CDF coarsely: both are close there)."""
+    rounding (a ``1 + erf`` rounds to eps absolutely, a subnormal CDF coarsely: both are close there). Where the
+    operand is 0 too: a true underflow's fused probability is far below the tolerance, a 0 written by the user (a
+    class banned through ``.data``, which moves no version) is not."""
     with torch.no_grad():
         line = line.detach()
         if fused.shape != line.shape:
             return False
-        finite = torch.isfinite(line) & (line > 0)
+        finite = torch.isfinite(line) & (line >= 0)
         tolerance = 32 * torch.finfo(line.dtype).eps
         mine = fused.detach().exp().to(line.dtype)
         return bool(torch.isclose(mine[finite], line[finite], rtol=tolerance, atol=tolerance).all())
