@@ -14,13 +14,28 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from calm_s29 import MODES, Row, steps
 from calm_s29 import check as compare
 from contract import MODE_OPTIONS
+from torch import nn
 
 import nan_magic
 
-__all__ = ["MODES", "Row", "check", "steps"]
+__all__ = ["MODES", "Row", "check", "data", "mlp", "sgd", "steps"]
+
+
+def mlp(d_in: int = 6, d_out: int = 3) -> nn.Sequential:
+    """The rows' small model (tests/test_calm_s32*.py)."""
+    return nn.Sequential(nn.Linear(d_in, 16), nn.Tanh(), nn.Linear(16, d_out))
+
+
+def data(n: int = 8, d_in: int = 6, classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, d_in), torch.randint(0, classes, (n,))
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def _refs_once_run(build: Callable[[], Row], options: dict | None) -> list[weakref.ref]:

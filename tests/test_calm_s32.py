@@ -21,7 +21,7 @@ import contextlib
 
 import pytest
 import torch
-from calm_s30 import MODES, Row, check, steps
+from calm_s30 import MODES, Row, check, data, mlp, sgd, steps
 from torch import nn
 from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
 from torch.autograd.function import once_differentiable
@@ -35,24 +35,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conf
 NEG_INF = float("-inf")
 
 
-def _mlp(d_in: int = 6, d_out: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(d_in, 16), nn.Tanh(), nn.Linear(16, d_out))
-
-
-def _data(n: int = 8, d_in: int = 6, classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(n, d_in), torch.randint(0, classes, (n,))
-
-
-def _sgd(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-
-def _classifier(model: nn.Module, opt: torch.optim.Optimizer | None = None, n: int = 3) -> Row:
-    opt = opt or _sgd(model)
-    x, y = _data()
-    return Row((model, opt), (model, opt), steps(model, opt, lambda s: F.cross_entropy(model(x), y), n))
-
-
 # -- torch.func and higher-order autograd ------------------------------------------------------------------
 
 
@@ -62,7 +44,7 @@ def per_sample_clipped_grads() -> Row:
     model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
     model.register_buffer("temperature", torch.tensor(1.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
+    x, y = data()
 
     def sample_loss(params: dict, buffers: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         logits = functional_call(model, (params, buffers), (xi[None],)) / buffers["temperature"]
@@ -93,7 +75,7 @@ def gradient_norm_regulariser() -> Row:
     backward through both."""
     model = nn.Sequential(nn.Linear(6, 16), nn.Softplus(), nn.Linear(16, 3))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    x, y = _data()
+    x, y = data()
 
     def loss_of(step: int) -> torch.Tensor:
         loss = F.cross_entropy(model(x), y)
@@ -122,7 +104,7 @@ def r1_penalty() -> Row:
 def meta_sgd_second_order() -> Row:
     """Meta-SGD: a learned inner learning rate per parameter, two inner steps by autograd.grad(create_graph=True)
     through functional_call, the outer loss on the query set trains both."""
-    model = _mlp(4, 1)
+    model = mlp(4, 1)
     inner_lr = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.full_like(p, 0.05))
                                  for k, p in model.named_parameters()})
     opt = torch.optim.Adam([*model.parameters(), *inner_lr.parameters()], lr=0.005)
@@ -152,7 +134,7 @@ def ema_averaged_model_with_buffers() -> Row:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
     sched = SWALR(opt, swa_lr=0.02, anneal_epochs=2, anneal_strategy="linear")
-    x, y = _data()
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -222,9 +204,9 @@ def dino_teacher() -> Row:
 def global_pruning_removed_mid_loop() -> Row:
     """prune.global_unstructured over both Linear weights (weight_orig, weight_mask, a forward pre-hook) at step 0,
     made permanent by prune.remove at step 2 while the watch is on."""
-    model = _mlp()
-    opt = _sgd(model)
-    x, y = _data()
+    model = mlp()
+    opt = sgd(model)
+    x, y = data()
     layers = [(model[0], "weight"), (model[2], "weight")]
 
     def run(watching) -> list[torch.Tensor]:
@@ -248,10 +230,10 @@ def global_pruning_removed_mid_loop() -> Row:
 
 def iterative_structured_pruning() -> Row:
     """prune.ln_structured applied again every step (a PruningContainer grows), Adam's state on weight_orig."""
-    model = _mlp()
+    model = mlp()
     prune.identity(model[0], "weight")
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    x, y = _data()
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -284,7 +266,7 @@ def cached_symmetric_parametrization() -> Row:
     with torch.no_grad():
         model[0].weight = torch.eye(6) * 0.5 + 0.1
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    x, y = _data()
+    x, y = data()
 
     def loss_of(step: int) -> torch.Tensor:
         with parametrize.cached():
@@ -421,7 +403,7 @@ def depthwise_channels_last_bf16() -> Row:
                           nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Conv2d(8, 8, 1), nn.SiLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
     model = model.to(memory_format=torch.channels_last)
-    opt = _sgd(model)
+    opt = sgd(model)
     x, y = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last), torch.randint(0, 3, (4,))
 
     def loss_of(step: int) -> torch.Tensor:
@@ -485,8 +467,8 @@ def per_channel_fake_quant() -> Row:
     """Quantization-aware training: the observers are switched off after step 1 (disable_observer), fake
     quantization stays on."""
     model = FakeQuantNet()
-    opt = _sgd(model)
-    x, y = _data()
+    opt = sgd(model)
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -585,8 +567,8 @@ def custom_functions() -> Row:
     """mark_non_differentiable (an index output), once_differentiable (a straight-through sign),
     set_materialize_grads(False) (an unused output's None gradient), setup_context with a generated vmap rule."""
     model = CustomFunctions()
-    opt = _sgd(model)
-    x, y = _data()
+    opt = sgd(model)
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -607,8 +589,8 @@ def custom_functions() -> Row:
 def two_losses_by_autograd_backward() -> Row:
     """torch.autograd.backward([task_loss, aux_loss], [1, 0.3]) instead of loss.backward()."""
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    opt = _sgd(model)
-    x, y = _data()
+    opt = sgd(model)
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from calm_s30 import MODES, Row, check
+from calm_s30 import MODES, Row, check, data, mlp, sgd
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -26,18 +26,6 @@ from torch.utils.data import DataLoader
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
 NEG_INF = float("-inf")
-
-
-def _mlp(d_in: int = 6, d_out: int = 3) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(d_in, 16), nn.Tanh(), nn.Linear(16, d_out))
-
-
-def _data(n: int = 8, d_in: int = 6, classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(n, d_in), torch.randint(0, classes, (n,))
-
-
-def _sgd(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def _plain(model: nn.Module, opt: torch.optim.Optimizer, loss_of, n: int = 3, after=None) -> Row:
@@ -148,7 +136,7 @@ def detect_anomaly_without_nan_check() -> Row:
 def anomaly_on_with_an_inf_batch_skipped() -> Row:
     """set_detect_anomaly(True) for the run; the loss of one batch is a deliberate inf (its target is a class the
     logits rule out with -inf), the loop checks torch.isfinite(loss) and `continue`s before backward."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     x = torch.randn(8, 6)
     ys = [torch.randint(0, 2, (8,)), torch.full((8,), 2), torch.randint(0, 2, (8,)), torch.randint(0, 2, (8,))]
@@ -179,7 +167,7 @@ def anomaly_on_with_an_inf_batch_skipped() -> Row:
 def item_checked_inf_loss_skipped() -> Row:
     """The user's own log-likelihood: log of a gathered probability, -inf where a target has probability 0 under
     a top-k restricted softmax; `if not math.isfinite(loss.item()): continue`, the scheduler steps each batch."""
-    model = _mlp(6, 5)
+    model = mlp(6, 5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     x = torch.randn(4, 6)
@@ -245,7 +233,7 @@ def fp16_scaler_scheduler_when_scale_held() -> Row:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=2)
-    x, y = _data()
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -273,8 +261,8 @@ def batchnorm_statistics_frozen() -> Row:
     """Fine-tuning with the BatchNorm layers put in eval() after model.train() every step (their running
     statistics frozen), their affine parameters still trained."""
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
-    opt = _sgd(model)
-    x, y = _data()
+    opt = sgd(model)
+    x, y = data()
 
     def loss_of(step: int) -> torch.Tensor:
         model.train()
@@ -288,8 +276,8 @@ def mc_dropout_in_eval() -> Row:
     """After each step: model.eval(), the Dropout modules switched back to train(), ten stochastic passes under
     no_grad for an uncertainty estimate, then model.train()."""
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
-    opt = _sgd(model)
-    x, y = _data()
+    opt = sgd(model)
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -326,17 +314,17 @@ def two_calls_two_heads() -> Row:
     """One model called twice per step, on two batches, with a different head by keyword."""
     model = TwoHeads()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    (x, y), xr, yr = _data(), torch.randn(5, 6), torch.randn(5, 1)
+    (x, y), xr, yr = data(), torch.randn(5, 6), torch.randn(5, 1)
     return _plain(model, opt, lambda s: F.cross_entropy(model(x), y) + F.mse_loss(model(xr, head="reg"), yr))
 
 
 def reference_model_metrics() -> Row:
     """A frozen reference model (not passed to the watch) in eval() scores the batch under no_grad each step: the
     agreement with it is logged and its predictions weight the loss."""
-    model, reference = _mlp(), _mlp()
+    model, reference = mlp(), mlp()
     reference.eval()
-    opt = _sgd(model)
-    x, y = _data()
+    opt = sgd(model)
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -363,9 +351,9 @@ def reference_model_metrics() -> Row:
 def zero_grad_ordering(order: str) -> Row:
     """``top``: zero_grad first in the loop body, before the forward; ``after_step``: zero_grad(set_to_none=False)
     after the step (the gradients stay allocated as zeros)."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    x, y = _data()
+    x, y = data()
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -387,9 +375,9 @@ def zero_grad_ordering(order: str) -> Row:
 def summed_micro_batch_losses() -> Row:
     """Seven micro-batches, their losses summed over groups of three (one backward per group, the last group of
     one), each weighted by its share of the group's samples."""
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    batches = [_data(n) for n in (4, 3, 5, 4, 2, 6, 3)]
+    batches = [data(n) for n in (4, 3, 5, 4, 2, 6, 3)]
 
     def run(watching) -> list[torch.Tensor]:
         out = []
@@ -411,29 +399,29 @@ def summed_micro_batch_losses() -> Row:
 
 
 def chained_scheduler() -> Row:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.ChainedScheduler([
         torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=3),
         torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.95)])
-    x, y = _data()
+    x, y = data()
     return _plain(model, opt, lambda s: F.cross_entropy(model(x), y), 4, lambda s: sched.step())
 
 
 def cyclic_lr_per_batch() -> Row:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sched = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.001, max_lr=0.05, step_size_up=2, mode="triangular2")
-    x, y = _data()
+    x, y = data()
     return _plain(model, opt, lambda s: F.cross_entropy(model(x), y), 5, lambda s: sched.step())
 
 
 def three_phase_one_cycle() -> Row:
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6, three_phase=True,
                                                 anneal_strategy="linear")
-    x, y = _data()
+    x, y = data()
     return _plain(model, opt, lambda s: F.cross_entropy(model(x), y), 5, lambda s: sched.step())
 
 
@@ -459,7 +447,7 @@ def bucketed_loader_with_strings() -> Row:
     and lists of strings (the texts and their ids), the mean-pooled encoder trained on it."""
     texts = ["a b c", "d e", "f g h i", "j", "k l m", "n o p q r", "s t", "u"]
     vocab = {w: i + 1 for i, w in enumerate(sorted({w for t in texts for w in t.split()}))}
-    data = [{"text": t, "id": f"doc{i}", "label": i % 2} for i, t in enumerate(texts)]
+    docs = [{"text": t, "id": f"doc{i}", "label": i % 2} for i, t in enumerate(texts)]
 
     def collate(items: list[dict]) -> dict:
         ids = nn.utils.rnn.pad_sequence([torch.tensor([vocab[w] for w in it["text"].split()]) for it in items],
@@ -467,7 +455,7 @@ def bucketed_loader_with_strings() -> Row:
         return {"ids": ids, "mask": ids != 0, "label": torch.tensor([it["label"] for it in items]),
                 "text": [it["text"] for it in items], "id": [it["id"] for it in items]}
 
-    loader = DataLoader(data, batch_sampler=Bucketed([len(t.split()) for t in texts], 3), collate_fn=collate)
+    loader = DataLoader(docs, batch_sampler=Bucketed([len(t.split()) for t in texts], 3), collate_fn=collate)
     emb, head = nn.Embedding(len(vocab) + 1, 8, padding_idx=0), nn.Linear(8, 2)
     model = nn.ModuleDict({"emb": emb, "head": head})
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -21,7 +21,8 @@ import nan_magic
 from nan_magic.fixes import runner
 from nan_magic.plain import from_plain, to_plain
 from nan_magic.records import FixTrial, Phase, Report, SourcePointer
-from nan_magic.render.fixes import fix_lines, suggested_edit
+from nan_magic.render.edits import suggested_edit
+from nan_magic.render.fixes import fix_lines
 
 
 class _Fixable(nn.Module):

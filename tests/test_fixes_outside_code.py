@@ -21,7 +21,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic.records import FixTrial, Phase, Report
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 
 
 class LogSigmoid:

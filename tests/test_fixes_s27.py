@@ -39,7 +39,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic.records import FixTrial, Report
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 

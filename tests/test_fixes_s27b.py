@@ -26,7 +26,7 @@ from contract import steps_and_data as steps
 
 import nan_magic
 from nan_magic.records import FixTrial, Report
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)
 

@@ -235,7 +235,7 @@ def test_a_softplus_by_hand_gets_f_softplus_verified() -> None:
     "(model(data['x'].float())), which by hand raises against the model's float16 weights. No edit of that line says "
     "the layer's upcast; none should be suggested, or model.float()"))
 def test_the_float32_edit_at_a_half_models_call_line_runs_by_hand() -> None:
-    from nan_magic.render.fixes import suggested_edit
+    from nan_magic.render.edits import suggested_edit
 
     report, _state = run(INCIDENTS["half-matmul"], "full")
     edit = suggested_edit(trial_of(report, "float32"))
@@ -250,7 +250,7 @@ def test_the_ppo_advantage_std_of_a_batch_of_one_gets_its_healthy_twins_line(mod
     from contract import hunt15
     from test_fixes_families import _report
 
-    from nan_magic.render.fixes import suggested_edit
+    from nan_magic.render.edits import suggested_edit
 
     report = _report(hunt15, "hunt15_ppo_advantage_std_of_a_last_batch_of_one", mode)
     trial = trial_of(report, "stable")

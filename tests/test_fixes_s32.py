@@ -38,7 +38,8 @@ from test_fixes_s29 import _same, _state  # (the user's state, read bit for bit)
 
 import nan_magic
 from nan_magic.records import FixTrial, Report
-from nan_magic.render.fixes import fix_lines, suggested_edit
+from nan_magic.render.edits import suggested_edit
+from nan_magic.render.fixes import fix_lines
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]  # (conftest.py: small models, torch on one thread)
 

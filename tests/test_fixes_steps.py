@@ -21,7 +21,7 @@ from torch import nn
 import nan_magic
 from nan_magic.fixes.remedies.scale import lower_scales
 from nan_magic.records import FixTrial, Report
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 from nan_magic.scene.last_good import LastGood
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))

@@ -45,7 +45,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic.records import FixTrial, Report
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 
 #: Steps the fixed code must train past the failing one.
 FURTHER = 5

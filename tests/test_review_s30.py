@@ -225,7 +225,7 @@ def test_a_validation_batch_after_training_is_replayed_forward_only_with_the_las
 def test_the_correction_edit_of_a_std_that_says_unbiased_runs(call: str, edit: str) -> None:
     """Was: ``h.std(0, True, correction=0)``, which torch refuses (the flag and the keyword together)."""
     from nan_magic import FixTrial, SourcePointer
-    from nan_magic.render.fixes import suggested_edit
+    from nan_magic.render.edits import suggested_edit
 
     trial = FixTrial("stable", source=SourcePointer("train.py", 3, "forward", f"s = {call}"),
                      facts=(("function", "std"), ("form", "correction=0")), finite=True)

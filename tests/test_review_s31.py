@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import nan_magic
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 
 MODES = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"}, "ops": {"ops": True},
          "ops-defer": {"ops": True, "defer": True}}

@@ -24,7 +24,8 @@ from torch.distributions import Normal
 from torch.nn import functional as F
 
 import nan_magic
-from nan_magic.render.fixes import fixes_text, suggested_edit
+from nan_magic.render.edits import suggested_edit
+from nan_magic.render.fixes import fixes_text
 
 WRITTEN = "was written in place after it was computed"
 

@@ -17,7 +17,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from nan_magic import FixTrial, SourcePointer
-from nan_magic.render.fixes import suggested_edit
+from nan_magic.render.edits import suggested_edit
 
 
 @pytest.mark.parametrize(("line", "edit"), [

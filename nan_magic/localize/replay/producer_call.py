@@ -204,9 +204,8 @@ class CallReplay(BackwardCallReplays):
         stops at the first op that makes a non-finite value; None where none does before the exception.
         """
         error = sys.exc_info()[1]
-        if (not self.can_replay or error is None or running is None or call.info is None
-                or isinstance(error, (FloatingPointError, torch.linalg.LinAlgError))):
-            return None  # our NonFiniteError on its way out, or linalg's verdict on its matrix (replay/tiered/step.py)
+        if not self.can_replay or error is None or running is None or call.info is None:
+            return None  # (our NonFiniteError on its way out and linalg's verdicts are not replayed: raised.py)
         finding = Finding(Phase.FORWARD, call, TensorRef.output())
         frame = Frame(module, call.info, call, call.rng_state)
         self.replay_into(finding, frozenset(KINDS), frame, *running, draws_again=True)

@@ -237,11 +237,8 @@ class StepReplays(StepKeeping):
         """
         error = sys.exc_info()[1]
         root = self._latest(module)
-        if error is None or root is None or self.watch.raised is not None or isinstance(error, FloatingPointError):
-            return None  # no exception, or our own NonFiniteError (a FloatingPointError) on its way out
-        if isinstance(error, torch.linalg.LinAlgError):
-            # linalg's verdict on its matrix (singular, not positive-definite): the NaN its ``_ex`` kernel made
-            # inside never reached the user's code, and ``except LinAlgError`` must still catch it.
+        if error is None or root is None or self.watch.raised is not None:
+            # (our own NonFiniteError on its way out and linalg's verdicts are not replayed: raised.py)
             return None
         self.finish(module, running[1] if running is not None else {})
         outcome = self._run(root, False, None)

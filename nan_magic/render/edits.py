@@ -1,0 +1,326 @@
+"""The edit a verified fix stands for: the producer's line as the remedy changed it.
+
+The edit is made with ``ast`` from the line the report holds: each call or operator that the remedy changes gets
+the change (``torch.log(p)`` -> ``torch.log(p.clamp_min(1.2e-07))``), every one of the line's, as the trial changed
+every call of the function made at the line (fixes/site.py): an edit of the first alone (``torch.log(p) +
+torch.log(1 - p)``) is not the remedy that was verified; where the line is not one the edit can be made on, none is
+shown.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
+from nan_magic.locations import name_location
+from nan_magic.records import FixTrial
+from nan_magic.render.words.cause_words import fmt
+
+__all__ = ["suggested_edit"]
+
+_DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
+                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div",
+                 "logit": "logit", "erfinv": "erfinv", "special_ndtri": "ndtri"}
+
+
+def suggested_edit(trial: FixTrial) -> str | None:
+    """The producer's line as the remedy changed it, ``file:line: code`` (None where it cannot be written)."""
+    if trial.kind == "lr":
+        return f"lower the learning rate: lr={fmt(trial.fact('new_lr'))} (a learning-rate warm-up also helps)"
+    if trial.kind == "eps" and trial.fact("new_eps") is not None:
+        if trial.fact("group_eps"):  # (remedies/optimizer_step.py: a group's eps apart from the constructor's)
+            return (f"group['eps'] = {fmt(trial.fact('new_eps'))}  (where your code sets a param group's eps, or "
+                    f"gives one to add_param_group: {trial.fact('optimizer')}(..., eps=...) sets only the groups it "
+                    "is built with)")
+        return f"{trial.fact('optimizer')}(..., eps={fmt(trial.fact('new_eps'))})"
+    if trial.kind == "scale":
+        if trial.fact("new_scale") is None:
+            return None
+        scale = _power_of_two(trial.fact("new_scale"))
+        built = _scaler_line(trial.fact("scaler_line"), scale)
+        if built is not None:
+            return f"{name_location(trial.fact('scaler_file'), trial.fact('scaler_lineno'))}: {built}"
+        return f"GradScaler(..., init_scale={scale})  (where the scaler is built; its scale grows back by itself)"
+    if trial.kind == "skip-batch":
+        return "keep = torch.isfinite(x).flatten(1).all(1); x, y = x[keep], y[keep]  (x the batch, y its targets)"
+    source = trial.source
+    if source is None or not source.line:
+        return None
+    try:
+        tree = ast.parse(source.line.strip())
+    except SyntaxError:
+        return None
+    edit = _Edit(trial)
+    code = ast.unparse(edit.visit(tree))
+    if not edit.done:
+        return None
+    regions = trial.fact("autocast") or ()
+    if trial.kind == "float32" and regions:
+        code = f"with torch.autocast({regions[0]!r}, enabled=False): {code}"
+    return f"{name_location(source.filename, source.lineno)}: {code}"
+
+
+def _scaler_line(line: str | None, scale: str) -> str | None:
+    """The line that built the GradScaler with its initial scale ``scale`` (replacing the one it had, if any)."""
+    try:
+        tree = ast.parse((line or "").strip())
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not ast.unparse(node.func).endswith("GradScaler"):
+            continue
+        value = ast.Name("INIT_SCALE")  # written as the scale's power of two after unparse
+        given = next((keyword for keyword in node.keywords if keyword.arg == "init_scale"), None)
+        # Positionally: torch.amp.GradScaler(device, init_scale, ...), torch.cuda.amp.GradScaler(init_scale, ...).
+        position = 0 if "cuda" in ast.unparse(node.func) else 1
+        if given is not None:
+            given.value = value
+        elif len(node.args) > position:
+            node.args[position] = value
+        else:
+            node.keywords.append(ast.keyword("init_scale", value))
+        return ast.unparse(tree).replace("INIT_SCALE", scale)
+    return None
+
+
+#: The fused form of a log of each function (a softmax's, a sigmoid's), as the stable remedy computes it: the
+#: function's name on the line, the form the trial recorded, the fused function.
+_FUSED_LOGS = {"softmax": ("log_softmax", "torch.log_softmax"),
+               "sigmoid": ("logsigmoid", "torch.nn.functional.logsigmoid"),
+               "ndtr": ("log_ndtr", "torch.special.log_ndtr")}
+
+
+class _Edit(ast.NodeTransformer):
+    """Rewrites each call or operator of the line the remedy changed (see the module docstring)."""
+
+    def __init__(self, trial: FixTrial) -> None:
+        self.trial = trial
+        self.done = False
+        #: The calls made to compute in float32: their result needs no ``.float()``.
+        self.upcast: set[int] = set()
+
+    def _mark(self, node: ast.expr) -> ast.expr:
+        self.done = True
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+        self.generic_visit(node)
+        kind, function = self.trial.kind, self.trial.fact("function")
+        if kind == "float32":  # every operator of the line: the trial upcast every call on it
+            node.left, node.right = _float(node.left, self.upcast), _float(node.right, self.upcast)
+            self.upcast.add(id(node))
+            return self._mark(node)
+        if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
+            node.right = _denominator(node.right, self.trial)
+            return self._mark(node)
+        if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow):
+            node.left = _method(node.left, "clamp_min", _eps(self.trial))
+            return self._mark(node)
+        return node
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> ast.AugAssign:
+        """``x /= n``: its denominator, as ``x / n``'s."""
+        self.generic_visit(node)
+        if (self.trial.kind == "eps" and self.trial.fact("function") == "div"
+                and isinstance(node.op, ast.Div)):
+            node.value = _denominator(node.value, self.trial)
+            self._mark(node.value)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        self.generic_visit(node)
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        kind, function = self.trial.kind, self.trial.fact("function")
+        if kind == "float32":
+            return self._float32_call(node, name)
+        method = isinstance(node.func, ast.Attribute) and not node.args and name != "float"
+        if kind == "eps" and name is not None and name.removesuffix("_") == _DOMAIN_CALLS.get(function or ""):
+            if function == "div":
+                # torch.div(x, n), or the method x.div(n) and x.div_(n): the denominator is the last positional
+                denominator = 1 if _on_torch(node) else 0
+                if len(node.args) > denominator:
+                    node.args[denominator] = _denominator(node.args[denominator], self.trial)
+                    return self._mark(node)
+                return node
+            clamp = "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min"
+            if method and name.endswith("_"):  # u.erfinv_(): u clamped in place first, as the trial did (domain.py)
+                clamp += "_"
+            # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
+            if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
+                assert isinstance(node.func, ast.Attribute)
+                node.func.value = _method(node.func.value, clamp, *_clamp_args(function, self.trial))
+            elif node.args:
+                node.args[0] = _method(node.args[0], clamp, *_clamp_args(function, self.trial))
+            else:
+                return node
+            return self._mark(node)
+        if kind == "stable" and function == "exp" and self.trial.fact("form") == "softplus":
+            return self._softplus(node, name)
+        if kind == "stable" and function == "exp" and name == "exp":
+            target = node.func.value if method and isinstance(node.func, ast.Attribute) else (
+                node.args[0] if node.args else None)
+            if target is None:
+                return node
+            shifted = ast.BinOp(target, ast.Sub(), _method(target, "amax", ast.UnaryOp(ast.USub(), ast.Constant(1)),
+                                                           keepdim=True))
+            return self._mark(ast.Call(ast.parse("torch.exp", mode="eval").body, [shifted], []))
+        if kind == "stable" and function == "log" and name == "log":
+            inner = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
+            if not isinstance(inner, ast.Call):
+                return node
+            form, fused = _FUSED_LOGS.get(getattr(inner.func, "attr", getattr(inner.func, "id", "")), (None, None))
+            # Only the op the trial fused: torch's own, called at the line (no helper named ndtr), with no out=.
+            recorded, on_tensor = self.trial.fact("form"), isinstance(inner.func, ast.Attribute) and not _on_module(
+                inner.func.value)
+            if fused is not None and ((form == "log_ndtr") != ((recorded or form) == "log_ndtr") or self.trial.fact(
+                    "fused_at_line") is False or any(
+                    keyword.arg not in ("dim", "dtype") for keyword in inner.keywords) or (
+                    form != "log_softmax" and len(inner.args) != (0 if on_tensor else 1))):
+                return node
+            if fused is not None:
+                # logits.softmax(-1): the tensor is the method's receiver, the fused function's first argument. A
+                # module held as an attribute (self.softmax(h), an nn.Softmax) is given its tensor as an argument:
+                # an attribute of self called with more than numbers (a tensor's dim may be a name: x.softmax(d)).
+                if isinstance(inner.func, ast.Attribute) and _of_self(inner.func.value) and not all(
+                        _number(argument) for argument in inner.args):
+                    return node  # (no edit: the module's dim is not on the line, and log_softmax needs one)
+                receiver = [inner.func.value] if isinstance(inner.func, ast.Attribute) and not _on_module(
+                    inner.func.value) else []
+                return self._mark(ast.Call(ast.parse(fused, mode="eval").body, receiver + list(inner.args),
+                                           list(inner.keywords)))
+            return node
+        if kind == "stable" and function == name and self.trial.fact("form") == "correction=0":
+            node.keywords = [keyword for keyword in node.keywords if keyword.arg not in ("correction", "unbiased")]
+            flags = [index for index, argument in enumerate(node.args)
+                     if isinstance(argument, ast.Constant) and isinstance(argument.value, bool)]
+            if flags:  # std(0, True, True): the first flag is unbiased (remedies/correction.py), said False in place
+                node.args[flags[0]] = ast.Constant(False)
+            else:
+                node.keywords.append(ast.keyword("correction", ast.Constant(0)))
+            return self._mark(node)
+        if kind == "mask" and name in ("softmax", "scaled_dot_product_attention"):
+            return self._mark(_method(node, "nan_to_num", ast.Constant(0.0)))
+        return node
+
+    def _softplus(self, node: ast.Call, name: str | None) -> ast.expr:
+        """``torch.log(1 + torch.exp(x))``, ``torch.log1p(x.exp())``: ``torch.nn.functional.softplus(x)``."""
+        operand = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
+        if name == "log" and isinstance(operand, ast.BinOp) and isinstance(operand.op, ast.Add):
+            ones = [side for side in (operand.left, operand.right) if _number(side) and ast.literal_eval(side) == 1]
+            operand = next((side for side in (operand.left, operand.right) if ones and side is not ones[0]), None)
+        elif name != "log1p":
+            return node
+        if not isinstance(operand, ast.Call) or _call_name(operand) != "exp":
+            return node
+        inner = operand.args[0] if operand.args else (
+            operand.func.value if isinstance(operand.func, ast.Attribute) else None)
+        if inner is None:
+            return node
+        return self._mark(ast.Call(ast.parse("torch.nn.functional.softplus", mode="eval").body, [inner], []))
+
+    def _float32_call(self, node: ast.Call, name: str | None) -> ast.expr:
+        """A call's tensor arguments upcast; a module's (``self.fc(x)``) also its parameters, outside autocast.
+
+        Under autocast the edit turns autocast off for the line (suggested_edit), and a module's float32
+        parameters are then used as they are: ``self.fc(x.float())``. Without autocast its half parameters
+        are what overflowed: ``self.fc.float()(x.float())`` (``Module.float`` converts them in place, once).
+        """
+        if name in ("float", "to", "transpose", "view", "reshape", "size"):
+            return node
+        func = node.func
+        while isinstance(func, ast.Attribute):
+            func = func.value
+        if isinstance(func, ast.Name) and func.id == "self":
+            if not self.trial.fact("autocast"):
+                node.func = _method(node.func, "float")
+        elif isinstance(node.func, ast.Attribute) and not _on_module(node.func.value):
+            # A tensor's method (``logvar.exp()``): the trial upcast the tensor it is called on, its receiver.
+            node.func.value = _float(node.func.value, self.upcast)
+        node.args = [_float(argument, self.upcast) for argument in node.args]
+        self.upcast.add(id(node))
+        self.done = True
+        return node
+
+
+def _power_of_two(value: float) -> str:
+    """``2.0**18`` for 262144.0 (a GradScaler's scales are powers of two), else the number."""
+    exponent = math.log2(value)
+    return f"2.0**{int(exponent)}" if exponent == int(exponent) else fmt(value)
+
+
+def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
+    eps = _eps(trial)
+    if function in BOUNDED_FUNCTIONS:
+        bound = 1 - float(trial.fact("eps") or 1e-7)
+        if trial.fact("dtype") == "float64":  # exactly the trial's bounds: 1 - 2.2e-16 written to 8 digits is 1.0
+            eps = ast.Constant(float(trial.fact("eps") or 1e-7))
+        else:
+            bound = float(f"{bound:.8g}")  # (the dtype rounds it to 1 - eps again)
+        return (eps if function in UNIT_FUNCTIONS else ast.Constant(-bound), ast.Constant(bound))
+    return (eps,)
+
+
+def _eps(trial: FixTrial) -> ast.Constant:
+    return ast.Constant(float(f"{trial.fact('eps') or 1e-7:.2g}"))
+
+
+def _on_torch(node: ast.Call) -> bool:
+    """Whether a call is a function of torch's (``torch.div(x, n)``), not a method of a tensor (``x.div(n)``)."""
+    return isinstance(node.func, ast.Name) or (isinstance(node.func, ast.Attribute)
+                                               and ast.unparse(node.func.value) in ("torch", "torch.Tensor"))
+
+
+#: The names a call's receiver has where it is a module of functions (``torch.exp``, ``F.linear``), not a tensor.
+_MODULES = frozenset({"torch", "F", "nn", "functional", "math", "np", "numpy", "special", "linalg", "fft"})
+
+
+def _of_self(node: ast.expr) -> bool:
+    """Whether an expression is ``self`` or an attribute of it (``self.attn``): where a model holds its modules."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _number(node: ast.expr) -> bool:
+    """Whether a call's argument is a number written out (``-1``, a dim): not the tensor a module is given."""
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    return isinstance(node, ast.Constant) and isinstance(node.value, int)
+
+
+def _on_module(node: ast.expr) -> bool:
+    """Whether a call's receiver is a module of functions (``torch``, ``torch.nn.functional``, ``F``)."""
+    while isinstance(node, ast.Attribute):
+        if node.attr in _MODULES:
+            return True
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in _MODULES
+
+
+def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
+    if trial.fact("form") == "count":
+        return _method(node, "clamp_min", ast.Constant(1))
+    if trial.fact("form") == "zeros":
+        zero = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
+        return ast.Call(ast.parse("torch.where", mode="eval").body, [zero, _eps(trial), node], [])
+    return _method(node, "clamp_min", _eps(trial))
+
+
+def _call_name(node: ast.Call) -> str | None:
+    return node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+
+
+def _float(node: ast.expr, upcast: set[int]) -> ast.expr:
+    """``node.float()``; a number stays as it is, and so does a result the edit already computes in float32."""
+    if isinstance(node, (ast.Constant, ast.BinOp)) or id(node) in upcast or (
+            isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant)):
+        return node
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "float":
+        return node
+    return _method(node, "float")
+
+
+def _method(node: ast.expr, name: str, *args: ast.expr, **keywords: bool) -> ast.expr:
+    return ast.Call(ast.Attribute(node, name, ast.Load()), list(args),
+                    [ast.keyword(key, ast.Constant(value)) for key, value in keywords.items()])
