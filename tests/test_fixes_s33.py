@@ -132,3 +132,88 @@ def test_a_tensor_exponent_is_still_clamped() -> None:
     assert trial.finite is True
     edit = suggested_edit(trial)
     assert edit is not None and "(x.clamp_min(1.2e-07) ** gamma) ** 2" in edit, edit
+
+
+# ---------------------------------------------------------------- log(det(S)) fused into logdet(S)
+#: A Gaussian NLL over 48 dimensions, its covariance batched per sample; the log of its determinant written three ways.
+def _torch_det(sigma: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.det(sigma))
+
+
+def _linalg_det(sigma: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.linalg.det(sigma))
+
+
+def _det_method(sigma: torch.Tensor) -> torch.Tensor:
+    return sigma.det().log()
+
+
+LOG_DETS = {"torch.det": _torch_det, "linalg.det": _linalg_det, "method": _det_method}
+
+
+def _gaussian_incident(form: str):
+    """Per-sample diagonal scales by softplus; sample 2's scales sit near 0.02 (its features' raw scale): the product
+    of its 48 variances is 1e-82, 0 in float32, and ``log(det)`` is -inf, where the other samples' are finite."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 48)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 6), torch.randn(4, 48) * 0.1
+    shift = torch.tensor([0.0, 0.0, -4.0, 0.0])[:, None]
+    log_det_of = LOG_DETS[form]
+
+    def nll(out: torch.Tensor, log_det) -> torch.Tensor:
+        scales = torch.nn.functional.softplus(out + shift)
+        sigma = torch.diag_embed(scales**2)
+        quad = (y**2 / scales**2).sum(-1)
+        return 0.5 * (quad + log_det(sigma)).mean()
+
+    def loop() -> None:
+        loss = nll(model(x), log_det_of)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    def by_hand() -> float:
+        with torch.no_grad():
+            return float(nll(model(x), torch.logdet))
+
+    return model, opt, loop, by_hand
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("form", list(LOG_DETS))
+def test_the_log_of_an_underflowed_determinant_is_tried_as_logdet(form: str, mode: str) -> None:
+    model, opt, loop, by_hand = _gaussian_incident(form)
+    expected = by_hand()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        loop()
+    report = caught.value.report
+    assert (report.phase, report.op, report.cause and report.cause.label) == (
+        "forward", "aten.log.default", "log-domain"), report.message
+    stable = [trial for trial in report.fixes if trial.kind == "stable"]
+    assert stable and stable[0].finite is True, [(t.kind, t.finite, t.untried) for t in report.fixes]
+    assert stable[0].loss == pytest.approx(expected, rel=1e-5)
+    edit = suggested_edit(stable[0])
+    assert edit is not None and "torch.logdet(sigma)" in edit and "det(sigma))" not in edit, edit
+    assert "logdet for a determinant" in report.to_text()
+
+
+def test_a_negative_determinant_is_not_verified_as_logdet() -> None:
+    """``log(det)`` of a matrix whose determinant is negative is NaN, and so is ``logdet``: no fix."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 3)
+    flip = torch.diag(torch.tensor([-1.0, 1.0, 1.0, 1.0]))
+
+    def loop() -> None:
+        sigma = torch.diag_embed(model(x).exp()) @ flip
+        loss = torch.log(torch.det(sigma)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        loop()
+    stable = [trial for trial in caught.value.report.fixes if trial.kind == "stable"]
+    assert not stable or stable[0].finite is not True

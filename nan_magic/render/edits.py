@@ -100,7 +100,7 @@ def _scaler_line(line: str | None, scale: str) -> str | None:
 #: function's name on the line, the form the trial recorded, the fused function.
 _FUSED_LOGS = {"softmax": ("log_softmax", "torch.log_softmax"),
                "sigmoid": ("logsigmoid", "torch.nn.functional.logsigmoid"),
-               "ndtr": ("log_ndtr", "torch.special.log_ndtr")}
+               "ndtr": ("log_ndtr", "torch.special.log_ndtr"), "det": ("logdet", "torch.logdet")}
 
 
 class _Edit(ast.NodeTransformer):
