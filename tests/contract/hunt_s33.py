@@ -266,6 +266,87 @@ def _parametrized(kind: str, zero: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+
+# ---------------------------------------------------------------- a hand-written tanh of a large activation
+class HandTanhMLP(nn.Module):
+    """An MLP whose activation is written ``(exp(2x) - 1) / (exp(2x) + 1)`` (ported from a NumPy paper's code)."""
+
+    def __init__(self, library: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.library = nn.Linear(4, 16), nn.Linear(16, 1), library
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.library:
+            return self.fc2(torch.tanh(h))
+        e = torch.exp(2 * h)  # producer: hand tanh
+        return self.fc2((e - 1) / (e + 1))
+
+
+def _hand_tanh(library: bool) -> Scenario:
+    """Step 2's batch holds a reading 200 times the usual scale: a pre-activation passes 44, ``exp(2h)`` overflows
+    and ``inf / inf`` is NaN. The twin calls ``torch.tanh``."""
+    torch.manual_seed(0)
+    model = HandTanhMLP(library)
+    xs, ys = _batches(6, 4), _batches(6, 1)
+    xs[2][0] *= 200.0
+    return _loop(model, lambda step: (xs[step],), lambda out, step: F.mse_loss(out, ys[step]))
+
+
+# ---------------------------------------------------------------- log(det) of a 48-dimensional covariance
+class GaussianHead(nn.Module):
+    """A full-covariance Gaussian over 48 targets: ``Sigma = L L^T``, L lower-triangular with a softplus diagonal."""
+
+    def __init__(self, d: int, stable: bool) -> None:
+        super().__init__()
+        self.mean = nn.Linear(6, d)
+        self.raw = nn.Parameter(torch.full((d,), -2.0))
+        self.d, self.stable = d, stable
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scale = torch.diag(F.softplus(self.raw))
+        sigma = scale @ scale.T
+        r = y - self.mean(x)
+        quad = (r @ torch.linalg.inv(sigma) * r).sum(-1)
+        log_det = torch.logdet(sigma) if self.stable else torch.log(torch.det(sigma))  # producer: log det
+        return 0.5 * (quad + log_det).mean()
+
+
+def _log_det(stable: bool) -> Scenario:
+    """The variances start near 0.016: their product over 48 dimensions is 1e-86, below float32's smallest number;
+    ``det`` is 0 and ``log(0)`` is -inf at the first step. The twin calls ``torch.logdet``."""
+    torch.manual_seed(0)
+    model = GaussianHead(48, stable)
+    xs, ys = _batches(5, 6), [torch.randn(5, 48) * 0.1 for _ in range(4)]
+    return _loop(model, lambda step: (xs[step], ys[step]), lambda out, step: out, lr=1e-3)
+
+
+# ---------------------------------------------------------------- a Gaussian process with jitter
+class ExactGP(nn.Module):
+    """An RBF Gaussian process's negative marginal likelihood over a batch of points (Cholesky of ``K + jitter I``)."""
+
+    def __init__(self, jitter: float) -> None:
+        super().__init__()
+        self.log_ls, self.log_noise, self.jitter = nn.Parameter(torch.zeros(())), nn.Parameter(torch.tensor(-20.0)), \
+            jitter
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        k = torch.exp(-torch.cdist(x, x) ** 2 / (2 * self.log_ls.exp() ** 2))
+        k = k + (self.log_noise.exp() + self.jitter) * torch.eye(len(x))
+        chol = torch.linalg.cholesky(k)
+        alpha = torch.cholesky_solve(y[:, None], chol)
+        return 0.5 * (y @ alpha.squeeze(-1)) + chol.diagonal().log().sum()
+
+
+def _gp(jitter: float) -> Scenario:
+    """Step 2's batch holds a duplicated point (a sensor logged twice): ``K`` is singular, and with jitter 0 (the noise
+    ``exp(-20)`` adds nothing in float32) ``torch.linalg.cholesky`` raises. The twin adds GPyTorch's 1e-4."""
+    torch.manual_seed(0)
+    model = ExactGP(jitter)
+    xs, ys = _batches(8, 2), _batches(8)
+    xs[2][5] = xs[2][2]
+    return _loop(model, lambda step: (xs[step], ys[step]), lambda out, step: out)
+
 CASES = [
     Case("hunt_s33_planar_flow_log_det_of_0_at_a_padding_row", lambda: _planar(False),
          Expect("forward", "", "PlanarFlow", step=0, op="aten.log.default", marker="planar log det",
@@ -299,4 +380,12 @@ CASES = [
          Expect("forward", "2.parametrizations.weight.0", "_WeightNorm", step=0,
                 op="aten._weight_norm_interface.default", marker="parametrized call")),
     Case("hunt_s33_weight_norm_default_init_healthy", lambda: _parametrized("weight", False), None),
+    Case("hunt_s33_hand_tanh_exp_overflow", lambda: _hand_tanh(False),
+         Expect("forward", "", "HandTanhMLP", step=2, op="aten.exp.default", marker="hand tanh",
+                cause="exp-overflow")),
+    Case("hunt_s33_torch_tanh_healthy", lambda: _hand_tanh(True), None),
+    Case("hunt_s33_log_of_an_underflowed_det", lambda: _log_det(False),
+         Expect("forward", "", "GaussianHead", step=0, op="aten.log.default", marker="log det", cause="log-domain")),
+    Case("hunt_s33_logdet_healthy", lambda: _log_det(True), None),
+    Case("hunt_s33_gp_with_jitter_over_a_duplicated_point_healthy", lambda: _gp(1e-4), None),
 ]
