@@ -331,7 +331,7 @@ class ExactGP(nn.Module):
             jitter
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        k = torch.exp(-torch.cdist(x, x) ** 2 / (2 * self.log_ls.exp() ** 2))
+        k = torch.exp(-torch.cdist(x, x) ** 2 / (2 * self.log_ls.exp() ** 2))  # producer: gp kernel
         k = k + (self.log_noise.exp() + self.jitter) * torch.eye(len(x))
         chol = torch.linalg.cholesky(k)
         alpha = torch.cholesky_solve(y[:, None], chol)
@@ -339,8 +339,11 @@ class ExactGP(nn.Module):
 
 
 def _gp(jitter: float) -> Scenario:
-    """Step 2's batch holds a duplicated point (a sensor logged twice): ``K`` is singular, and with jitter 0 (the noise
-    ``exp(-20)`` adds nothing in float32) ``torch.linalg.cholesky`` raises. The twin adds GPyTorch's 1e-4."""
+    """Step 2's batch holds a duplicated point (a sensor logged twice): ``K`` is nearly singular, and with jitter 0 (the
+    noise ``exp(-20)`` adds nothing in float32) the Cholesky succeeds on a pivot of 1e-9, the loss is 3.6e7 and the
+    update throws the log-lengthscale to -7019: at step 3 the lengthscale is 0, the kernel's division is ``0 / 0``
+    and ``x / 0``, and ``torch.linalg.cholesky`` of that NaN matrix raises ``LinAlgError``. Every mode names the
+    division (the error comes after it). The twin adds GPyTorch's jitter of 1e-4."""
     torch.manual_seed(0)
     model = ExactGP(jitter)
     xs, ys = _batches(8, 2), _batches(8)
@@ -387,5 +390,8 @@ CASES = [
     Case("hunt_s33_log_of_an_underflowed_det", lambda: _log_det(False),
          Expect("forward", "", "GaussianHead", step=0, op="aten.log.default", marker="log det", cause="log-domain")),
     Case("hunt_s33_logdet_healthy", lambda: _log_det(True), None),
+    Case("hunt_s33_gp_without_jitter_kernel_of_a_lengthscale_0_then_cholesky_raises", lambda: _gp(0.0),
+         Expect("forward", "", "ExactGP", step=3, op="aten.div.Tensor", marker="gp kernel",
+                cause="division-by-zero")),
     Case("hunt_s33_gp_with_jitter_over_a_duplicated_point_healthy", lambda: _gp(1e-4), None),
 ]
