@@ -350,6 +350,77 @@ def _gp(jitter: float) -> Scenario:
     xs[2][5] = xs[2][2]
     return _loop(model, lambda step: (xs[step], ys[step]), lambda out, step: out)
 
+
+# ---------------------------------------------------------------- class weights from the last validation's recall
+def _recall(model: nn.Module, x: torch.Tensor, y: torch.Tensor, classes: int) -> torch.Tensor:
+    with torch.no_grad():
+        pred = model(x).argmax(-1)
+        hits = F.one_hot(y, classes).float() * F.one_hot(pred, classes).float()
+        return hits.sum(0) / F.one_hot(y, classes).float().sum(0)  # producer: recall
+
+
+def _class_weights(guard: str) -> Scenario:
+    """After each training step a validation batch gives each class's recall, and the next step weights the
+    cross-entropy by ``2 - recall`` (focus on the classes it misses). Step 1's validation batch holds no sample of
+    class 3: its recall is ``0 / 0`` (after two optimizer steps: step 2), and the NaN weight makes the next loss NaN. The twins: the metric read by
+    ``nan_to_num`` before it is used, and a metric only logged with ``nanmean`` (never reaching a loss)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = _batches(8, 5), [torch.randint(0, 4, (8,)) for _ in range(4)]
+    vx, vy = _batches(8, 5), [torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]) for _ in range(4)]
+    vy[1] = torch.tensor([0, 1, 2, 0, 0, 1, 2, 1])
+
+    def run() -> list[torch.Tensor]:
+        weights, losses, logged = torch.ones(4), [], []
+        for step in range(4):
+            loss = F.cross_entropy(model(xs[step]), ys[step], weight=weights)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+            recall = _recall(model, vx[step], vy[step], 4)
+            logged.append(torch.nanmean(recall))
+            if guard == "none":
+                weights = 2 - recall
+            elif guard == "nan_to_num":
+                weights = 2 - recall.nan_to_num(1.0)
+        return losses + logged
+
+    return Scenario((model, opt), run)
+
+
+# ---------------------------------------------------------------- Adagrad with eps 0 over an unused embedding row
+class BagOfWords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).mean(1))
+
+
+def _adagrad(eps: float) -> Scenario:
+    """A bag-of-words classifier trained by Adagrad with ``eps=0`` (copied from a paper's 'no epsilon' setting); the
+    embedding's gradient is dense, and a token no batch has used yet has a gradient of exactly 0: its accumulated
+    sum is 0 and the update ``0 / sqrt(0)`` is NaN at the first step. The twin keeps Adagrad's eps of 1e-10."""
+    torch.manual_seed(0)
+    model = BagOfWords()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1, eps=eps)
+    tokens, ys = [torch.randint(0, 15, (4, 6)) for _ in range(4)], [torch.randint(0, 2, (4,)) for _ in range(4)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = F.cross_entropy(model(tokens[step]), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # producer: adagrad step
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
 CASES = [
     Case("hunt_s33_planar_flow_log_det_of_0_at_a_padding_row", lambda: _planar(False),
          Expect("forward", "", "PlanarFlow", step=0, op="aten.log.default", marker="planar log det",
@@ -394,4 +465,11 @@ CASES = [
          Expect("forward", "", "ExactGP", step=3, op="aten.div.Tensor", marker="gp kernel",
                 cause="division-by-zero")),
     Case("hunt_s33_gp_with_jitter_over_a_duplicated_point_healthy", lambda: _gp(1e-4), None),
+    Case("hunt_s33_class_weights_from_a_recall_of_an_absent_class", lambda: _class_weights("none"),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="recall", cause="division-by-zero")),
+    Case("hunt_s33_class_weights_from_a_recall_nan_to_num_healthy", lambda: _class_weights("nan_to_num"), None),
+    Case("hunt_s33_recall_of_an_absent_class_only_logged_by_nanmean_healthy", lambda: _class_weights("logged"), None),
+    Case("hunt_s33_adagrad_eps_0_over_an_unused_embedding_row", lambda: _adagrad(0.0),
+         Expect("optimizer", "emb", "Embedding", step=0, op="aten.addcdiv_.default", marker="adagrad step")),
+    Case("hunt_s33_adagrad_default_eps_healthy", lambda: _adagrad(1e-10), None),
 ]
