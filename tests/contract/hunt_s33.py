@@ -362,8 +362,9 @@ def _recall(model: nn.Module, x: torch.Tensor, y: torch.Tensor, classes: int) ->
 def _class_weights(guard: str) -> Scenario:
     """After each training step a validation batch gives each class's recall, and the next step weights the
     cross-entropy by ``2 - recall`` (focus on the classes it misses). Step 1's validation batch holds no sample of
-    class 3: its recall is ``0 / 0`` (after two optimizer steps: step 2), and the NaN weight makes the next loss NaN. The twins: the metric read by
-    ``nan_to_num`` before it is used, and a metric only logged with ``nanmean`` (never reaching a loss)."""
+    class 3: its recall is ``0 / 0`` (after two optimizer steps: step 2), and the NaN weight makes the next loss NaN.
+    The twins: the metric read by ``nan_to_num`` before it is used, and a metric only logged with ``nanmean`` (never
+    reaching a loss)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
