@@ -97,7 +97,7 @@ def _default_eps(optimizer: str | None) -> float | None:
     if not isinstance(found, type):
         return None
     try:
-        default = inspect.signature(found.__init__).parameters["eps"].default
+        default = inspect.signature(found).parameters["eps"].default
     except (KeyError, TypeError, ValueError):
         return None
     return float(default) if isinstance(default, (int, float)) and default > 0 else None
