@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple
 from nan_magic.locations import SourcePointer
 
 __all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "UNIT_FUNCTIONS", "FailedAt", "FixSite", "FixTrial",
-           "install_describer"]
+           "install_describer", "whole_power"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what). ``"next forward"``:
 #: the step was finite, but the updated parameters made the same call's forward non-finite (fixes/step.py).
@@ -27,6 +27,16 @@ BOUNDED_FUNCTIONS = ("acos", "asin", "atanh", "logit", "erfinv", "special_ndtri"
 #: ... of them, those whose domain is (0, 1), clamped into [eps, 1 - eps]: logit(p) = log(p / (1 - p)), -inf at 0
 #: and +inf at 1 (a sigmoid that rounded to 0 or 1), and the normal quantile ndtri (a rank-gauss of rank n / n).
 UNIT_FUNCTIONS = ("logit", "special_ndtri")
+
+
+def whole_power(exponent: object) -> bool:
+    """Whether ``exponent`` is a number that is a whole power, 0 or more (``x ** 2``, ``x.pow(3)``): such a pow is
+    defined, with a finite derivative, at every finite base, 0 and negatives too, so clamping its base is no remedy;
+    it changes what the line computes (``(a - b) ** 2`` of a negative difference) where a ``** 0.5`` beside it
+    is the producer."""
+    if isinstance(exponent, bool) or not isinstance(exponent, (int, float)):
+        return False
+    return exponent >= 0 and float(exponent).is_integer()
 
 
 class FixSite(NamedTuple):

@@ -242,7 +242,7 @@ class _AtenCall:
 
 
 #: aten ops whose torch function has another name.
-_FUNCTION_OF = {"_softmax": "softmax", "_log_softmax": "log_softmax"}
+_FUNCTION_OF = {"_softmax": "softmax", "_log_softmax": "log_softmax", "_linalg_det": "linalg_det"}
 
 
 class InRecordedCode:

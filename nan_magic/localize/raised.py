@@ -73,14 +73,22 @@ def may_follow_nonfinite(error: BaseException) -> bool:
     whose class name or message speaks of a bad value (the user's own ``Diverged``, raised on a check of theirs),
     or any other whose traceback's frames hold a NaN or a +inf (a local, in a list, tuple or dict, or a module's
     attribute). Else the exception is the user's own control flow (a hook's ``StopForward``)."""
-    if isinstance(error, (FloatingPointError, torch.linalg.LinAlgError)):
-        # our own NonFiniteError on its way out; linalg's verdict on its matrix (singular, not positive-definite):
-        # the NaN its ``_ex`` kernel made inside never reached the user's code, and ``except LinAlgError`` must
-        # still catch it
+    if isinstance(error, FloatingPointError):  # (our own NonFiniteError on its way out)
         return False
+    if isinstance(error, torch.linalg.LinAlgError):
+        # linalg's verdict on its matrix (singular, not positive-definite): the NaN its ``_ex`` kernel made inside
+        # never reached the user's code, and ``except LinAlgError`` must still catch it; unless the matrix the
+        # user's code built already held a NaN or a +inf (a kernel matrix of a lengthscale that underflowed to 0):
+        # then the first non-finite value came before, where ops=True stops
+        return _frames_hold_nonfinite(error)
     if isinstance(error, _BAD_VALUE_ERRORS) or _SPEAKS_OF_A_BAD_VALUE.search(f"{type(error).__name__} {error}"):
         return True
-    # (-inf alone is an attention mask's, the user's own: no evidence of a bad value)
+    return _frames_hold_nonfinite(error)
+
+
+def _frames_hold_nonfinite(error: BaseException) -> bool:
+    """Whether the traceback's frames hold a NaN or a +inf (-inf alone is an attention mask's, the user's own: no
+    evidence of a bad value)."""
     return any(tensor_stats(tensor).kinds - {"-inf"} for _function, tensor in traceback_tensors(error, inside=True))
 
 

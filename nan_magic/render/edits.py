@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import math
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial
 from nan_magic.render.words.cause_words import fmt
@@ -61,6 +61,18 @@ def suggested_edit(trial: FixTrial) -> str | None:
     return f"{name_location(source.filename, source.lineno)}: {code}"
 
 
+def _whole(node: ast.expr | None) -> bool:
+    """Whether ``node`` is a whole power written as a number (``2``, ``3.0``): a pow the eps trial leaves as it was."""
+    return isinstance(node, ast.Constant) and whole_power(node.value)
+
+
+def _exponent(node: ast.Call) -> ast.expr | None:
+    """The exponent of a pow call: ``x.pow(e)``'s first argument, ``torch.pow(x, e)``'s second, or ``exponent=``."""
+    given = next((keyword.value for keyword in node.keywords if keyword.arg == "exponent"), None)
+    position = 1 if _on_torch(node) else 0
+    return given if given is not None else (node.args[position] if len(node.args) > position else None)
+
+
 def _scaler_line(line: str | None, scale: str) -> str | None:
     """The line that built the GradScaler with its initial scale ``scale`` (replacing the one it had, if any)."""
     try:
@@ -88,7 +100,7 @@ def _scaler_line(line: str | None, scale: str) -> str | None:
 #: function's name on the line, the form the trial recorded, the fused function.
 _FUSED_LOGS = {"softmax": ("log_softmax", "torch.log_softmax"),
                "sigmoid": ("logsigmoid", "torch.nn.functional.logsigmoid"),
-               "ndtr": ("log_ndtr", "torch.special.log_ndtr")}
+               "ndtr": ("log_ndtr", "torch.special.log_ndtr"), "det": ("logdet", "torch.logdet")}
 
 
 class _Edit(ast.NodeTransformer):
@@ -114,7 +126,7 @@ class _Edit(ast.NodeTransformer):
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
             node.right = _denominator(node.right, self.trial)
             return self._mark(node)
-        if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow):
+        if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow) and not _whole(node.right):
             node.left = _method(node.left, "clamp_min", _eps(self.trial))
             return self._mark(node)
         return node
@@ -143,6 +155,8 @@ class _Edit(ast.NodeTransformer):
                     node.args[denominator] = _denominator(node.args[denominator], self.trial)
                     return self._mark(node)
                 return node
+            if function == "pow" and _whole(_exponent(node)):
+                return node  # (x.pow(2): the trial left it as it was, domain.py)
             clamp = "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min"
             if method and name.endswith("_"):  # u.erfinv_(): u clamped in place first, as the trial did (domain.py)
                 clamp += "_"

@@ -59,6 +59,8 @@ def _changed(trial: FixTrial) -> str:
         if trial.fact("form") in ("logsigmoid", "log_ndtr"):
             return f"the log of the {'sigmoid' if trial.fact('form') == 'logsigmoid' else 'normal CDF'} fused into " \
                 f"{trial.fact('form')}"
+        if trial.fact("form") == "logdet":
+            return "the log of the determinant fused into logdet (a sum of logs, where the product underflows)"
         if trial.fact("form") == "softplus":
             return "the log(1 + exp(x)) computed as F.softplus(x), where the exp overflowed"
         if trial.fact("form") == "correction=0":
@@ -66,7 +68,8 @@ def _changed(trial: FixTrial) -> str:
                     "correction=1 divides by N - 1 = 0)")
         if trial.fact("function") == "exp":
             return "the exp max-subtracted (exp(x - x.amax(-1, keepdim=True)))"
-        return "the log of a softmax, sigmoid or normal CDF fused into log_softmax, logsigmoid or log_ndtr"
+        return ("the log of a softmax, sigmoid, normal CDF or determinant fused into log_softmax, logsigmoid, log_ndtr "
+                "or logdet")
     if trial.kind == "lr" and trial.fact("redone") == "previous":
         if trial.fact("lr") is None:
             return "the previous update redone at a tenth of the learning rate, then this step"

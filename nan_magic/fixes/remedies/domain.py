@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
 __all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand"]
@@ -169,6 +169,8 @@ class DomainFix:
         if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
             return None
         operand = args[index]
+        if self.function == "pow" and whole_power(args[1] if len(args) > 1 else kwargs.get("exponent")):
+            return None  # (x ** 2 on the line of a x ** 0.5: defined, with a finite derivative, at every base)
         if not operand.is_floating_point():
             # (an integer denominator: counts, clamped to 1, where it is never negative; else there is no eps)
             return self._counted(func, args, kwargs, index) if self.function in ("div", "reciprocal") else None

@@ -5,7 +5,8 @@ overflows in ``exp``; ``exp(x - x.amax(-1, keepdim=True))`` gives the same
 ratios and cannot. ``torch.log(torch.softmax(x, -1))`` is -inf where the
 softmax underflowed to 0; ``torch.log_softmax(x, -1)`` is finite there, and
 ``F.logsigmoid(z)`` where ``torch.log(torch.sigmoid(z))`` is -inf, ``special.log_ndtr(z)`` where
-``torch.log(special.ndtr(z))`` is (a probit's or Tobit's likelihood of a sample far in the tail). The
+``torch.log(special.ndtr(z))`` is (a probit's or Tobit's likelihood of a sample far in the tail), ``torch.logdet(S)``
+where ``torch.log(torch.det(S))`` is (the determinant of a 48-dimensional covariance underflowed to 0). The
 remedy sees every softmax and sigmoid the producing module (or the loss code)
 runs (its output may be logged on a later line) and replaces a log of one of them.
 
@@ -56,7 +57,10 @@ _ADDS = frozenset({"add", "__add__", "__radd__"})
 #: ... and that multiply them.
 _MULS = frozenset({"mul", "__mul__", "__rmul__"})
 #: What each fused form is the log of, as the reason a trial was not run says it.
-_LOGGED = {"log_softmax": "softmax", "logsigmoid": "sigmoid", "log_ndtr": "normal CDF", "softplus": "1 + exp(x)"}
+_LOGGED = {"log_softmax": "softmax", "logsigmoid": "sigmoid", "log_ndtr": "normal CDF", "softplus": "1 + exp(x)",
+           "logdet": "determinant"}
+#: The determinants whose log is ``torch.logdet`` of their matrix (``torch.det``, ``S.det()``, ``torch.linalg.det``).
+_DETS = frozenset({"det", "linalg_det"})
 
 
 @dataclass
@@ -123,6 +127,8 @@ class StableFix:
         if self.softplus and isinstance(result, torch.Tensor) and args:
             self._exp_or_sum(name, args, kwargs, result)
             return
+        if name in _DETS and isinstance(result, tuple) and result:  # (aten's _linalg_det: the det, its LU, pivots)
+            result = result[0]
         if not isinstance(result, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
             return
         x = args[0]
@@ -135,6 +141,9 @@ class StableFix:
                 self._remember(result, x, "log_softmax", at_line, lambda: torch.log_softmax(x, dim, dtype=dtype))
         elif name == "sigmoid" and not kwargs and len(args) == 1:
             self._remember(result, x, "logsigmoid", at_line, lambda: torch.nn.functional.logsigmoid(x))
+        elif name in _DETS and not kwargs and len(args) == 1 and x.dim() >= 2:
+            # (its log by LU, a sum of logs: finite where the product of a covariance's eigenvalues underflowed)
+            self._remember(result, x, "logdet", at_line, lambda: torch.logdet(x))
         else:
             self._cdf(name, args, kwargs, result, at_line)
 

@@ -239,8 +239,13 @@ def _eps_shown(cause: Cause) -> str:
 def _eps_zero_hint(cause: Cause) -> str:
     return (
         f"the {cause.fact('optimizer')} step divides by sqrt(v) + eps with eps = 0: {_eps_zero(cause)}; "
-        "use eps = 1e-8 (the default)"
+        f"use eps = {_default_eps_shown(cause)}"
     )
+
+
+def _default_eps_shown(cause: Cause) -> str:
+    default = cause.fact("default_eps")
+    return f"{fmt(default)} (the default)" if default is not None else "1e-8 (Adam's default)"
 
 
 def _eps_rounds_hint(cause: Cause) -> str:

@@ -51,7 +51,8 @@ def _log_hint(event: Report, cause: Cause) -> str:
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp to "
-        f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for log-probabilities"
+        f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
+        "log-probabilities (logdet for a determinant)"
     )
 
 
