@@ -65,3 +65,26 @@ def test_a_division_by_a_zero_norm_in_a_double_backward_is_read_alike_immediate_
         base = {"ops": True} if ops else {}
         now, late = _seen(case, base), _seen(case, {**base, "defer": True})
         assert now["cause"] == "division-by-zero" and late == now, (now, late)
+
+
+# ---------------------------------------------------------------- a jagged batch's NaN counted at the deferred check
+def _report_of(case: Case, options: dict[str, Any]) -> Any:
+    torch.manual_seed(0)
+    scenario = case.build()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options, **scenario.options):
+        scenario.run()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("ops", [False, True])
+def test_a_jagged_batchs_nan_is_counted_and_drawn_at_the_deferred_check(ops: bool) -> None:
+    """A missing reading stored as NaN in a jagged nested-tensor batch: the immediate watch counts it (1 nan of 27)
+    and draws the batch's histogram. The deferred check read the batch a step later through ``values()``, a new
+    view made for the read and gone by then: 'nan among 27 values, not counted', no histogram. It now reads the
+    jagged tensor's own buffer, alive as long as the call's kept arguments hold the batch."""
+    case = next(c for c in all_cases() if c.name == "hunt_s30_nan_in_a_jagged_nested_tensor_batch")
+    base = {"ops": True} if ops else {}
+    now, late = _report_of(case, base), _report_of(case, {**base, "defer": True})
+    assert (now.nan, now.numel) == (1, 27) and (late.nan, late.numel) == (1, 27), late.to_text()
+    assert [s.tensor for s in late.samples] == [s.tensor for s in now.samples] and late.samples, late.to_text()
+    assert "not counted" not in late.to_text()
