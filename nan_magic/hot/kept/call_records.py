@@ -90,7 +90,10 @@ def nested_values(
         items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
         for index, item in items:
             if isinstance(item, torch.Tensor) and item.is_nested and item.is_floating_point():
-                dense = item.detach().values()
+                # A jagged tensor's own buffer, which lives as long as it does (the deferred check reads it a step
+                # later, from the call's kept arguments); ``values()`` makes a new view each time, gone by then.
+                buffer = item._values if item.layout is torch.jagged else None
+                dense = buffer if type(buffer) is torch.Tensor and not buffer.requires_grad else item.detach().values()
                 if is_checkable(dense):
                     found.append((path if index is None else f"{path}[{index}]", argument, dense))
     return found
