@@ -91,3 +91,58 @@ def test_a_log_of_a_module_input_keeps_the_input_name() -> None:
     with pytest.raises(NonFiniteError) as caught, watch(model, fixes=False):
         model(torch.zeros(3))
     assert "log got 3 zeros and 0 negatives in input[0] of 1 (Log)" in caught.value.report.cause.hint
+
+
+RECSYS_SCRIPT = '''import torch
+from torch import nn
+import torch.nn.functional as F
+import nan_magic
+
+torch.manual_seed(0)
+history = torch.randint(1, 200, (50, 5))
+history[7, 3:] = 0                       # a user with 3 items, padded with item 0
+pos = torch.randint(1, 200, (50,))
+
+
+class TwoTower(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.items = nn.Embedding(200, d, padding_idx=0)
+        self.proj = nn.Linear(d, d)
+
+    def cosine(self, a, b):
+        return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+
+    def forward(self, hist, cand):
+        h, c = self.items(hist), self.items(cand)
+        return self.cosine(self.proj(h.mean(1)), c) + self.cosine(h, c[:, None]).sum(-1)
+
+
+model = TwoTower()
+opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+with nan_magic.watch(model, opt):
+    for i in range(0, 50, 10):
+        loss = F.softplus(-model(history[i:i + 10], pos[i:i + 10])).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+'''
+
+
+def test_the_recommender_as_a_plain_script_prints_the_text_report(tmp_path) -> None:
+    """recsys_cosine.ipynb as ``python recsys.py`` with ``nan_magic.watch``: the traceback ends at the user's line,
+    then the text report, with the divisor named as the line writes it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "recsys.py"
+    script.write_text(RECSYS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    err = done.stderr
+    assert ("    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))\nnan_magic.errors.exceptions."
+            "NonFiniteError: first non-finite value in forward step 0: TwoTower (root), op aten.div.Tensor at ") in err
+
+    assert "divided by zero (`a.norm(dim=-1) * b.norm(dim=-1)` (10, 5) held 2 zeros of 50)" in err, err
+    assert "  first at    index (7, 3)" in err and "recsys.py:19, in cosine" in err, err
