@@ -438,8 +438,19 @@ def unload(shell: Any) -> None:
     shell.events.unregister("post_run_cell", magics.post_run_cell)
 
 
+_FLAG_GIVEN_A_VALUE = re.compile(r"argument (--?[\w-]+(?:/--?[\w-]+)?): ignored explicit argument '(.*)'")
+
+
 def _with_the_options(message: str, magic: Any) -> str:
-    """argparse's "unrecognized arguments: --ful", with the nearest option and the list of them (one line)."""
+    """argparse's "unrecognized arguments: --ful", with the nearest option and the list of them (one line).
+
+    argparse's "argument --ops: ignored explicit argument 'yes'" (a flag given a value, ``--ops=yes``) says that the
+    flag takes no value, and how to write it.
+    """
+    flag = _FLAG_GIVEN_A_VALUE.fullmatch(message)
+    if flag:
+        name, value = flag.group(1).split("/")[-1], flag.group(2)
+        return f"{name} takes no value: write {name} alone, not {name}={value}"
     if not message.startswith("unrecognized arguments:"):
         return message
     options = sorted(option for option in magic.parser._option_string_actions if option.startswith("--"))

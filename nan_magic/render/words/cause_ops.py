@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nan_magic.records import Cause, Report
+from nan_magic.records import Cause, Report, TensorRole
 from nan_magic.render.words.cause_words import (
     Reading,
     constant_inputs,
@@ -173,12 +173,19 @@ def _division_hint(event: Report, cause: Cause) -> str:
             "that number is set (a config value, a temperature, a schedule that reaches 0) and keep it non-zero"
         )
     constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
-    zeros = divisor_phrase(divisor, cause.fact("divisor") or "other")
+    zeros = divisor_phrase(divisor, _divisor_said(event, cause.fact("divisor") or "other"))
     return (
         f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
         f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
         f"x / norm.clamp_min({_eps(event)})); if it is a count, clamp it to >= 1"
     )
+
+
+def _divisor_said(event: Report, name: str) -> str:
+    """The divisor as the user wrote it on the line (``target.sum((1, 2, 3))``), where the line says it; else its
+    schema name (``other``): "`other` (16,) held 1 zero of 16" made the reader find which tensor `other` was."""
+    refs = [ref for ref, _stats in event.input_stats if ref.role is TensorRole.OPERAND and ref.name == name]
+    return short_label(event, refs[0]).strip("`") if refs else name
 
 
 def _division_unknown_hint(event: Report, cause: Cause) -> str:

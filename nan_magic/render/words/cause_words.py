@@ -192,10 +192,18 @@ def input_named(report: Report, zeros: int, negatives: int) -> str:
         if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite
     ]
     for ref in sorted(matching, key=lambda ref: not ref.is_argument):
-        return input_label(report, ref)
-    if report.operand("self") is not None:
-        return input_label(report, "self")
+        return _as_written(report, ref)
+    selfs = [ref for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name == "self"]
+    if selfs:
+        return _as_written(report, selfs[0])
     return f"the input of {report.op} in {where(report)}"
+
+
+def _as_written(report: Report, ref: TensorRef) -> str:
+    """An input by :func:`input_label`, with what the line wrote for an operand first: "`rate` (`self` of
+    aten.log.default in ...)", where "`self` of aten.log.default" alone left the reader to find which tensor it was."""
+    label, written = input_label(report, ref), short_label(report, ref)
+    return label if ref.is_argument or written == f"`{ref}`" else f"{written} ({label})"
 
 
 def input_lines(report: Report) -> tuple[str, ...]:
