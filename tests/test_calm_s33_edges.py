@@ -5,15 +5,19 @@ step after it (a notebook cell per half); the forward before the watch and the b
 retain_graph backward inside and a second backward over the same graph after; the watch inside a generator the
 consumer leaves early (closed by GeneratorExit once dropped); a reversible block, a custom Function that runs a
 watched submodule under no_grad in its forward and again under enable_grad inside its backward; a thread that
-evaluates the model while the main thread's backward runs; and schedules and optimizers earlier rounds did not run:
-LambdaLR warming up from a learning rate of 0 with AdamW, CosineAnnealingWarmRestarts with Nesterov SGD,
-PolynomialLR with RAdam's decoupled weight decay, a tensor learning rate under ExponentialLR, fused AMSGrad AdamW.
+evaluates the model while the main thread's backward runs; autograd's and torch.nn.utils' less common tools:
+register_multi_grad_hook over the parameters, allow_mutation_on_saved_tensors, autograd's multithreading off,
+state_dict(keep_vars=True) read each step, an evolution search by parameters_to_vector / vector_to_parameters, a
+Conv-BN fused eval copy (fuse_conv_bn_eval); and schedules and optimizers earlier rounds did not run: LambdaLR
+warming up from a learning rate of 0 with AdamW, CosineAnnealingWarmRestarts with Nesterov SGD, PolynomialLR with
+RAdam's decoupled weight decay, a tensor learning rate under ExponentialLR, fused AMSGrad AdamW.
 Strict xfail: log-count features, -inf where a count is 0, that the model clamps first (an entering infinity is an
 event where it enters; only a NaN batch is held to see whether the step handles it).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 
@@ -22,6 +26,8 @@ import torch
 from calm_s30 import MODES, Row, check, data, mlp, sgd, steps
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 import nan_magic
 
@@ -235,6 +241,116 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
     return loss.detach()
 
 
+# -- autograd's and torch.nn.utils' less common tools --------------------------------------------------------
+
+
+def multi_grad_hook_on_the_parameters() -> Row:
+    """torch.autograd.graph.register_multi_grad_hook over every parameter logs the gradients' total norm."""
+    model, opt = _model_opt()
+    x, y = data()
+
+    def run(watching) -> list[torch.Tensor]:
+        seen: list[torch.Tensor] = []
+        handle = torch.autograd.graph.register_multi_grad_hook(
+            list(model.parameters()), lambda grads: seen.append(sum(g.norm() for g in grads if g is not None)))
+        with watching():
+            out = [_step(model, opt, x, y) for _ in range(3)]
+        handle.remove()
+        return out + seen
+
+    return Row((model, opt), (model, opt), run)
+
+
+def mutation_on_saved_tensors_allowed() -> Row:
+    """allow_mutation_on_saved_tensors(): the forward scales an activation in place after tanh saved it."""
+    model, opt = _model_opt()
+    x, y = data()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                    a = torch.tanh(model[0](x))
+                    a.mul_(2.0)
+                    loss = F.cross_entropy(model[2](a), y)
+                    opt.zero_grad()
+                    loss.backward()
+                opt.step()
+                out.append(loss.detach())
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
+def autograd_multithreading_off() -> Row:
+    model, opt = _model_opt()
+    x, y = data()
+
+    def run(watching) -> list[torch.Tensor]:
+        with watching(), torch.autograd.set_multithreading_enabled(False):
+            return [_step(model, opt, x, y) for _ in range(3)]
+
+    return Row((model, opt), (model, opt), run)
+
+
+def state_dict_keep_vars_read() -> Row:
+    model, opt = _model_opt()
+    x, y = data()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                out.append(_step(model, opt, x, y))
+                out.append(model.state_dict(keep_vars=True)["0.weight"].detach().clone())
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
+def evolution_search_by_flat_vectors() -> Row:
+    """After each step, two random perturbations tried by parameters_to_vector / vector_to_parameters under
+    no_grad, the parameters put back from the vector."""
+    model, opt = _model_opt()
+    x, y = data()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                out.append(_step(model, opt, x, y))
+                with torch.no_grad():
+                    v = parameters_to_vector(model.parameters())
+                    for _ in range(2):
+                        vector_to_parameters(v + 0.01 * torch.randn_like(v), model.parameters())
+                        out.append(F.cross_entropy(model(x), y))
+                    vector_to_parameters(v, model.parameters())
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
+def conv_bn_fused_copy_for_eval() -> Row:
+    """Each step a deep copy in eval() has its Conv2d and BatchNorm2d fused (fuse_conv_bn_eval) and is evaluated."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 2, 6, 6), torch.randint(0, 3, (4,))
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for _ in range(3):
+                out.append(_step(model, opt, x, y))
+                fused = copy.deepcopy(model).eval()
+                fused[0], fused[1] = fuse_conv_bn_eval(fused[0], fused[1]), nn.Identity()
+                with torch.no_grad():
+                    out.append(fused(x))
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
 ROWS = {
     "forward_inside_backward_after": forward_inside_backward_after,
     "forward_before_backward_inside": forward_before_backward_inside,
@@ -242,6 +358,12 @@ ROWS = {
     "watch_inside_a_generator_left_early": watch_inside_a_generator_left_early,
     "reversible_block_recomputed_in_backward": reversible_block_recomputed_in_backward,
     "evaluation_thread_during_backward": evaluation_thread_during_backward,
+    "multi_grad_hook_on_the_parameters": multi_grad_hook_on_the_parameters,
+    "mutation_on_saved_tensors_allowed": mutation_on_saved_tensors_allowed,
+    "autograd_multithreading_off": autograd_multithreading_off,
+    "state_dict_keep_vars_read": state_dict_keep_vars_read,
+    "evolution_search_by_flat_vectors": evolution_search_by_flat_vectors,
+    "conv_bn_fused_copy_for_eval": conv_bn_fused_copy_for_eval,
     **{f"schedule_{kind}": (lambda kind=kind: _scheduled(kind))
        for kind in ("warmup_from_zero", "warm_restarts", "polynomial", "tensor_lr", "fused_amsgrad")},
 }
