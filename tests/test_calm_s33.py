@@ -12,7 +12,9 @@ and full backward pre-hook on a child; a traced child and a scripted child with 
 with save_for_backward whose backward is differentiable (a gradient penalty through it); weight_norm (old, removed
 mid-loop; parametrizations, removed mid-loop); a top-k masked softmax; a log(0) metric printed as -inf; log of a
 ReLU repaired by nan_to_num in the forward; a NaN-masked error averaged by nanmean; an int8 dynamically quantized
-copy for evaluation; FGSM adversarial training (the model frozen while the input's gradient is taken).
+copy for evaluation; FGSM adversarial training (the model frozen while the input's gradient is taken); buffers that
+hold +inf and -inf on purpose (a running min-max range, a running max, the best loss), the first batch's range
+written over them.
 test_calm_s33_loops.py: loop shapes.
 """
 
@@ -467,6 +469,50 @@ def fgsm_adversarial_training() -> Row:
     return Row((model, opt), (model, opt), steps(model, opt, loss_of))
 
 
+class RunningExtremes(nn.Module):
+    """Buffers that hold infinities on purpose: a min-max scaler's running range starts at (+inf, -inf) and widens
+    with each training batch; the largest logit seen starts at -inf; the loop keeps the best loss, +inf at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("lo", torch.full((6,), float("inf")))
+        self.register_buffer("hi", torch.full((6,), NEG_INF))
+        self.register_buffer("max_logit", torch.tensor(NEG_INF))
+        self.register_buffer("best_loss", torch.tensor(float("inf")))
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.lo.copy_(torch.minimum(self.lo, x.min(0).values))
+                self.hi.copy_(torch.maximum(self.hi, x.max(0).values))
+        out = self.net((x - self.lo) / (self.hi - self.lo + 1e-6))
+        with torch.no_grad():
+            self.max_logit.copy_(torch.maximum(self.max_logit, out.max()))
+        return out
+
+
+def buffers_holding_infinities() -> Row:
+    model = RunningExtremes()
+    opt = sgd(model)
+    batches = [data() for _ in range(3)]
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        with watching():
+            for x, y in batches:
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                with torch.no_grad():
+                    model.best_loss.copy_(torch.minimum(model.best_loss, loss))
+                out.append(loss.detach())
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
 ROWS = {
     "selective_checkpoint": selective_checkpoint,
     "reentrant_checkpoint_from_the_loop": reentrant_checkpoint_from_the_loop,
@@ -489,6 +535,7 @@ ROWS = {
     "nan_masked_error_by_nanmean": nan_masked_error_by_nanmean,
     "int8_quantized_copy_for_eval": int8_quantized_copy_for_eval,
     "fgsm_adversarial_training": fgsm_adversarial_training,
+    "buffers_holding_infinities": buffers_holding_infinities,
 }
 
 
