@@ -11,7 +11,10 @@ body and clip_grad_norm_ on the head; a stateless SGD created each step; two opt
 decay / no-decay groups stepping every other step, SGD on the head every step); LBFGS with strong Wolfe over a
 loss with a -inf masked softmax; ReduceLROnPlateau in 'max' mode fed an accuracy; the model cast to float64 with a
 new optimizer and back; a bfloat16 copy for evaluation; the user's activation-logging hook registered and removed
-every step inside the watch; the watch entered around each epoch with a scheduler stepped outside it.
+every step inside the watch; the watch entered around each epoch with a scheduler stepped outside it; the loop's
+own exception (a Budget raised after the forward or the backward, an assert) in a step whose NaN batch the model
+imputes, caught around the watch (it was replaced by a NonFiniteError naming the handled batch: fixed in
+hot/kept/held_batch.py), and its other side, an op's error the user wraps, still explained by the batch.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import io
 import pytest
 import torch
 from calm_s30 import MODES, Row, check, data, mlp, sgd
+from contract import MODE_OPTIONS
 from torch import nn
 from torch.nn import functional as F
+
+import nan_magic
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conftest.py: why)
 
@@ -444,6 +450,58 @@ def watch_per_epoch_scheduler_outside() -> Row:
     return Row((model, opt), (model, opt), run)
 
 
+class Imputing(nn.Module):
+    """A tabular model that imputes its NaN-coded missing values (a learned fill and a missing flag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = nn.Parameter(torch.zeros(6))
+        self.net = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        missing = x.isnan()
+        return self.net(torch.cat([torch.where(missing, self.fill, x), missing.float()], -1))
+
+
+def _missing() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = data()
+    x[torch.rand(8, 6) < 0.2] = float("nan")
+    return x, y
+
+
+class Budget(Exception):
+    """The user's own early stop, raised where the time budget is spent and caught around the watch."""
+
+
+def own_exception_mid_step(where: str) -> Row:
+    """Batches with missing values the model imputes (a held NaN batch, handled); at step 1 the loop raises its own
+    Budget after the forward (or after the backward, or by an assert) and catches it outside the watch."""
+    model = Imputing()
+    opt = sgd(model)
+    x, y = _missing()
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        try:
+            with watching():
+                for step in range(3):
+                    loss = F.cross_entropy(model(x), y)
+                    out.append(loss.detach())
+                    if step == 1 and where == "forward":
+                        raise Budget("time budget spent")
+                    opt.zero_grad()
+                    loss.backward()
+                    if step == 1 and where == "backward":
+                        raise Budget("time budget spent")
+                    assert step < 1 or where != "assert", "stop after the second backward"
+                    opt.step()
+        except (Budget, AssertionError) as stopped:
+            out.append(torch.tensor(len(str(stopped))))
+        return out
+
+    return Row((model, opt), (model, opt), run)
+
+
 ROWS = {
     "embedding_unfrozen_into_new_group": embedding_unfrozen_into_new_group,
     "encoder_frozen_then_unfrozen": encoder_frozen_then_unfrozen,
@@ -462,6 +520,8 @@ ROWS = {
     "bfloat16_copy_for_eval": bfloat16_copy_for_eval,
     "activation_logging_hook_each_step": activation_logging_hook_each_step,
     "watch_per_epoch_scheduler_outside": watch_per_epoch_scheduler_outside,
+    **{f"own_exception_after_{where}_with_a_handled_nan_batch": (lambda where=where: own_exception_mid_step(where))
+       for where in ("forward", "backward", "assert")},
 }
 
 
@@ -489,3 +549,28 @@ def test_the_rows_really_do_what_they_say() -> None:
         for held in row.held:
             if isinstance(held, nn.Module):
                 assert all(torch.isfinite(p).all() for p in held.parameters()), name
+
+
+class SamplingError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ops_error_the_user_wraps_in_their_own_is_still_explained_by_the_held_batch(mode: str) -> None:
+    """The other side of the own-exception rows: torch.multinomial raises on the batch's NaN in the loop's code and
+    the loop raises its own SamplingError from it; the held batch explains it (a data report), as with the bare
+    RuntimeError."""
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = Imputing()
+        x, y = _missing()
+        with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **MODE_OPTIONS[mode]):
+            F.cross_entropy(model(x), y)
+            try:
+                torch.multinomial(x.abs().sum(1), 2)
+            except RuntimeError as error:
+                if wrap:
+                    raise SamplingError("could not sample") from error
+                raise
+        report = caught.value.report
+        assert (report.phase, report.module, report.step, report.nan) == ("data", "", 0, int(x.isnan().sum())), wrap
