@@ -13,13 +13,15 @@ loss with a -inf masked softmax; ReduceLROnPlateau in 'max' mode fed an accuracy
 new optimizer and back; a bfloat16 copy for evaluation; the user's activation-logging hook registered and removed
 every step inside the watch; the watch entered around each epoch with a scheduler stepped outside it; the loop's
 own exception (a Budget raised after the forward or the backward, an assert) in a step whose NaN batch the model
-imputes, caught around the watch (it was replaced by a NonFiniteError naming the handled batch: fixed in
-hot/kept/held_batch.py), and its other side, an op's error the user wraps, still explained by the batch.
+imputes, caught around the watch, and an evaluation loop over such batches left by next()'s StopIteration (each
+was replaced by a NonFiniteError naming the handled batch: fixed in hot/kept/held_batch.py), and their other
+side, an op's error the user wraps, still explained by the batch.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import io
 
 import pytest
@@ -502,6 +504,28 @@ def own_exception_mid_step(where: str) -> Row:
     return Row((model, opt), (model, opt), run)
 
 
+def evaluation_ended_by_stop_iteration(source: str) -> Row:
+    """An evaluation loop under no_grad, ``while True: model(next(batches))``, over batches with missing values the
+    model imputes, left by the StopIteration of next() past the last one (from a list's iterator or a DataLoader's),
+    caught around the watch."""
+    model = Imputing().eval()
+    x = torch.cat([_missing()[0] for _ in range(3)])
+    batches = list(x.split(8)) if source == "list" else torch.utils.data.DataLoader(x, batch_size=8)
+
+    def run(watching) -> list[torch.Tensor]:
+        out = []
+        it = iter(batches)
+        try:
+            with watching(), torch.no_grad():
+                while True:
+                    out.append(model(next(it)))
+        except StopIteration:
+            out.append(torch.tensor(len(out)))
+        return out
+
+    return Row((model,), (model,), run)
+
+
 ROWS = {
     "embedding_unfrozen_into_new_group": embedding_unfrozen_into_new_group,
     "encoder_frozen_then_unfrozen": encoder_frozen_then_unfrozen,
@@ -522,6 +546,8 @@ ROWS = {
     "watch_per_epoch_scheduler_outside": watch_per_epoch_scheduler_outside,
     **{f"own_exception_after_{where}_with_a_handled_nan_batch": (lambda where=where: own_exception_mid_step(where))
        for where in ("forward", "backward", "assert")},
+    **{f"evaluation_ended_by_stop_iteration_{source}": functools.partial(evaluation_ended_by_stop_iteration, source)
+       for source in ("list", "loader")},
 }
 
 

@@ -96,12 +96,13 @@ class HeldBatch:
 
     def explain(self, exc: BaseException) -> NonFiniteError | None:
         """The user's code raised ``exc`` in the step (an op that raises on the NaN): the held batch's error, if one
-        is held. Not where the user's own ``raise`` statement (or ``assert``) raised it: every value of the step so
-        far was finite, so it is their decision (an early stop, a time budget), left to reach their ``except`` as
+        is held. Not where the user's own ``raise`` statement (or ``assert``) raised it, nor where it ends an iteration
+        (``next(batches)`` past the last batch of an evaluation loop): every value of the step so far was finite, so
+        it is their decision (an early stop, a time budget, the data running out), left to reach their ``except`` as
         it would unwatched; the batch was handled as far as the step ran (settled: a benign event)."""
         if self.finding is None:
             return None
-        if raised_by_a_raise_statement(exc):
+        if isinstance(exc, (StopIteration, StopAsyncIteration)) or raised_by_a_raise_statement(exc):
             self.settle()
             return None
         try:
