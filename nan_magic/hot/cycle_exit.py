@@ -107,7 +107,7 @@ class CycleExit:
         if explained is None and explainable:
             explained = (self.timing.pending_at_exit(self) or self._raise_held_overflow(exc)
                          or self._explain_failed_op(exc) or self._explain_anomaly(exc)
-                         or (None if self.outcome.stopped else self.held.explain()))  # (held_batch.py)
+                         or (None if self.outcome.stopped else self.held.explain(exc)))  # (held_batch.py)
         # Every exception exit takes its part in the ranks' exit round (agreement.py), ours included.
         left = self.outcome.left_by(exc, self._leave_together(), explainable and explained is None)
         return explained or left

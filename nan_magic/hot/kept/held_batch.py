@@ -20,6 +20,7 @@ non-finite record (the step cycle and the deferred check read one attribute a st
 
 from __future__ import annotations
 
+import dis
 import sys
 from collections.abc import Callable
 
@@ -27,7 +28,9 @@ from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.finding import Finding
 
-__all__ = ["HeldBatch"]
+__all__ = ["HeldBatch", "raised_by_a_raise_statement"]
+
+_RAISE = dis.opmap["RAISE_VARARGS"]
 
 
 class HeldBatch:
@@ -91,8 +94,17 @@ class HeldBatch:
             self.released = None  # (asked only during its emit: no tensor or frame kept past it)
         return True
 
-    def explain(self) -> NonFiniteError | None:
-        """The user's code raised in the step (an op that raises on the NaN): the held batch's error, if one is held."""
+    def explain(self, exc: BaseException) -> NonFiniteError | None:
+        """The user's code raised ``exc`` in the step (an op that raises on the NaN): the held batch's error, if one
+        is held. Not where the user's own ``raise`` statement (or ``assert``) raised it, nor where it ends an iteration
+        (``next(batches)`` past the last batch of an evaluation loop): every value of the step so far was finite, so
+        it is their decision (an early stop, a time budget, the data running out), left to reach their ``except`` as
+        it would unwatched; the batch was handled as far as the step ran (settled: a benign event)."""
+        if self.finding is None:
+            return None
+        if isinstance(exc, (StopIteration, StopAsyncIteration)) or raised_by_a_raise_statement(exc):
+            self.settle()
+            return None
         try:
             self.release()
         except NonFiniteError as error:
@@ -105,3 +117,23 @@ class HeldBatch:
         finding, self.finding = self.finding, None
         if finding is not None:
             self._handled(finding)
+
+
+def raised_by_a_raise_statement(exc: BaseException, depth: int = 0) -> bool:
+    """Whether ``exc`` was raised by a ``raise`` statement (an ``assert`` compiles to one) in the user's code: the
+    innermost entry of its traceback is a user's frame stopped at that instruction, not at a call into an op that
+    raised (``torch.multinomial`` on NaN probabilities stops at the call) nor inside library code; and so was the
+    error it was raised from or while handling, if any (``raise SamplingError() from error`` is the op's)."""
+    chained = exc.__cause__ or exc.__context__
+    if chained is not None and (depth > 8 or not raised_by_a_raise_statement(chained, depth + 1)):
+        return False
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if is_library_code(code):
+        return False
+    lasti = tb.tb_lasti
+    return 0 <= lasti < len(code.co_code) and code.co_code[lasti] == _RAISE
