@@ -48,6 +48,20 @@ FUNCTIONS: dict[str, dict[str, int]] = {
 }
 
 
+def _whole_power(exponent: Any) -> bool:
+    """Whether a ``pow``'s exponent is a whole number at least 0 (``x ** 2``, ``x.pow(3)``): defined for every x,
+    its only non-finite is an overflow, which no clamp of the operand from below fixes (a square of -1e30 clamped to
+    eps is eps squared: finite, and no longer the user's value)."""
+    if isinstance(exponent, bool):
+        return False
+    if isinstance(exponent, (int, float)):
+        return float(exponent).is_integer() and exponent >= 0
+    if isinstance(exponent, torch.Tensor) and exponent.numel():
+        with torch.no_grad():
+            return bool(((exponent == exponent.round()) & (exponent >= 0)).all())
+    return False
+
+
 def _counts(denominator: torch.Tensor) -> bool:
     """Whether a denominator holds counts: an integer tensor (not a bool mask) never negative, all 0 too (``bincount``,
     a ``mask.sum()`` of a bool mask that masked nothing, a degree kept as integers).
@@ -182,6 +196,8 @@ class DomainFix:
         if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
             return None
         operand = args[index]
+        if self.function == "pow" and _whole_power(args[1] if len(args) > 1 else kwargs.get("exponent")):
+            return None  # (x ** 2 of a large or negative x: no domain to clamp into; a clamp would only hide it)
         if not operand.is_floating_point():
             # (an integer denominator: counts, clamped to 1, where it is never negative; else there is no eps)
             return self._counted(func, args, kwargs, index) if self.function in ("div", "reciprocal") else None
