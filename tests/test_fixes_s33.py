@@ -9,7 +9,8 @@ of a run that tried none (``fixes=False``); each trial takes under 5 s. One verd
 (``x ** 2``, ``x.pow(2)``) that overflowed bfloat16 on a large negative operand read "eps: the operand of pow clamped
 to at least 0.00781 -> verified" and suggested ``.clamp_min(0.0078).pow(2)``, which replaces -1e30 by 0.0078: a whole
 power has no domain to clamp into. The std of a batch of one taken with correction=0 read "verified" and no more,
-where every gradient is 0 and nothing ever trains by hand: it now says so. One stays false (strict xfail): the only sample of a class left out.
+where every gradient is 0 and nothing ever trains by hand: it now says so. One stays false (strict xfail): the only
+sample of a class left out at step 0.
 """
 
 from __future__ import annotations
