@@ -153,8 +153,9 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
     if trial.fact("no_gradient"):
-        parts.append(f"but with it no trained parameter gets any gradient (every one 0): nothing trains, step after "
-                     f"step (the {made} is hidden, not fixed: look at why the result no longer depends on them)")
+        parts.append(f"but with it no trained parameter gets any gradient on this step (every one 0): finite "
+                     f"because nothing flows back (the {made} may be hidden, not fixed: look at why the result does "
+                     "not depend on them)")
     if trial.fact("backward_from") == "no-grad":
         parts.append("its forward alone replayed: the call ran under no_grad and no loss code of its step was kept, "
                      "so no loss, backward or optimizer step")
