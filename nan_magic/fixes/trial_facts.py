@@ -59,6 +59,10 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
     if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
         # Every value was out of the domain (every row masked): the output no longer depends on them.
         facts += [("moved_all", remedy.total)]
+    elif outcome.failed is None and outcome.gradients and not any(outcome.gradients):
+        # Finite, and no trained parameter got any gradient: nothing trains with it (std(correction=0) of a batch of
+        # one: (h - mean) / std is 0 whatever h is). Said beside the verdict, as moved_all is.
+        facts += [("no_gradient", True)]
     if outcome.frozen and outcome.failed is None:
         # The step came out finite, but no gradient reaches these trained parameters through the clamp: not a fix.
         facts += [("frozen", outcome.frozen)]

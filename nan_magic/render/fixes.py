@@ -155,6 +155,10 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
+    if trial.fact("no_gradient"):
+        parts.append(f"but with it no trained parameter gets any gradient on this step (every one 0): finite "
+                     f"because nothing flows back (the {made} may be hidden, not fixed: look at why the result does "
+                     "not depend on them)")
     if trial.fact("backward_from") == "no-grad":
         parts.append("its forward alone replayed: the call ran under no_grad and no loss code of its step was kept, "
                      "so no loss, backward or optimizer step")

@@ -48,6 +48,16 @@ FUNCTIONS: dict[str, dict[str, int]] = {
 }
 
 
+def _whole_power(exponent: Any) -> bool:
+    """``whole_power`` (fix_records.py) for a tensor exponent too, every element whole and at least 0: its only
+    non-finite is an overflow, which no clamp of the operand from below fixes (a square of -1e30 clamped to eps is
+    eps squared: finite, and no longer the user's value)."""
+    if isinstance(exponent, torch.Tensor) and exponent.numel():
+        with torch.no_grad():
+            return bool(((exponent == exponent.round()) & (exponent >= 0)).all())
+    return whole_power(exponent)
+
+
 def _counts(denominator: torch.Tensor) -> bool:
     """Whether a denominator holds counts: an integer tensor (not a bool mask) never negative, all 0 too (``bincount``,
     a ``mask.sum()`` of a bool mask that masked nothing, a degree kept as integers).
@@ -69,57 +79,70 @@ def denominator_form(denominator: torch.Tensor) -> str:
     return "clamp_min" if bool((denominator >= 0).all()) else "zeros"
 
 
-#: Autograd nodes that only view, reshape, copy or cast: a parameter seen through them is the operand itself (a
-#: part of it: a row, a transpose, one element of a vector).
+#: Autograd nodes that only view, reshape, copy, cast or pick values: a parameter seen through them is the operand
+#: itself (a part of it: a row, a transpose, one element of a vector, the elements an index tensor or a mask picks).
 _SAME_VALUES = ("ViewBackward", "ExpandBackward", "UnsqueezeBackward", "SqueezeBackward", "TBackward",
                 "TransposeBackward", "PermuteBackward", "ReshapeAlias", "AliasBackward", "CloneBackward",
                 "ToCopyBackward", "UnsafeView", "SelectBackward", "SliceBackward", "SplitBackward",
                 "SplitWithSizesBackward", "UnbindBackward", "RepeatBackward", "AsStridedBackward", "DiagonalBackward",
-                "NarrowBackward", "UnfoldBackward")
+                "NarrowBackward", "UnfoldBackward", "IndexBackward", "IndexSelectBackward", "GatherBackward",
+                "TakeBackward", "MaskedSelectBackward")
 
-#: ``(the parameter's id, the operand's (size, stride, storage offset) over the parameter's storage, or None where it
-#: holds copies of the values (a clone, a cast, a repeat): the whole parameter is behind it)``.
-Behind = tuple[int, "tuple[tuple[int, ...], tuple[int, ...], int] | None"]
+#: ``(the parameter's id, a bool mask of the parameter's elements the operand holds, or None: every one)``.
+Behind = tuple[int, "torch.Tensor | None"]
 
 
 def parameter_operand(tensor: torch.Tensor) -> Behind | None:
-    """The trained leaf tensor (a parameter) that ``tensor`` is, seen through views, reshapes, copies and casts
-    only, and where its values sit in that parameter; None where the operand is computed from it (a clamp there cuts
+    """The trained leaf tensor (a parameter) that ``tensor`` is, seen through views, reshapes, copies, casts and
+    picks only, and which of its elements it holds; None where the operand is computed from it (a clamp there cuts
     one batch's gradient, which may be right: ``acos`` of a cosine at 1 sits at its minimum)."""
     node = tensor.grad_fn
     if node is None:
         return (id(tensor), None) if tensor.requires_grad else None
+    chain: list[tuple[Any, int, int]] = []
+    output_nr = tensor.output_nr
     for _hop in range(8):
         if node is None:
             return None
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
-            try:
-                shared = tensor.untyped_storage().data_ptr() == variable.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage: the whole parameter)
-                shared = False
-            return id(variable), ((tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())) if shared
-                                  else None)
+            return id(variable), _read(tensor, chain, variable)
         if not type(node).__name__.startswith(_SAME_VALUES):
             return None
-        following = [step for step, _index in node.next_functions if step is not None]
+        following = [(index, step, output) for index, (step, output) in enumerate(node.next_functions)
+                     if step is not None]
         if len(following) != 1:
             return None
-        node = following[0]
+        chain.append((node, output_nr, following[0][0]))
+        _index, node, output_nr = following[0]
     return None
 
 
-def behind_mask(parameter: torch.Tensor, where: tuple[tuple[int, ...], tuple[int, ...], int] | None
-                ) -> torch.Tensor:
+def _read(tensor: torch.Tensor, chain: list[tuple[Any, int, int]], parameter: torch.Tensor) -> torch.Tensor | None:
+    """The elements of ``parameter`` that ``tensor`` holds: a gradient of ones carried back through the ``chain`` of
+    nodes that only move values (each node called on it directly: no hook runs, nothing accumulates; a split's
+    other pieces get none), nonzero where read; None (every element) where a node does not answer."""
+    try:
+        with torch.no_grad():
+            grad = torch.ones_like(tensor, memory_format=torch.contiguous_format)
+            for node, output_nr, index in chain:
+                count = max(len(getattr(node, "_input_metadata", ())), output_nr + 1)
+                outputs: list[torch.Tensor | None] = [None] * count
+                outputs[output_nr] = grad  # (a split's other pieces: no gradient)
+                grads = node(*outputs)
+                grad = (grads if isinstance(grads, tuple) else (grads,))[index]
+                if not isinstance(grad, torch.Tensor):
+                    return None
+            return (grad != 0).reshape(parameter.shape) if grad.numel() == parameter.numel() else None
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+
+
+def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
     """The elements of ``parameter`` an operand read (:func:`parameter_operand`'s place): every one where None."""
-    if where is None:
+    if where is None or where.shape != parameter.shape:
         return torch.ones(parameter.shape, dtype=torch.bool, device=parameter.device)
-    size, stride, offset = where
-    cells = parameter.untyped_storage().nbytes() // max(1, parameter.element_size())
-    positions = torch.arange(cells, device=parameter.device)
-    read = torch.zeros(cells, dtype=torch.bool, device=parameter.device)
-    read[positions.as_strided(size, stride, offset).reshape(-1)] = True
-    return read.as_strided(tuple(parameter.shape), tuple(parameter.stride()), parameter.storage_offset())
+    return where.to(parameter.device)
 
 
 class DomainFix:
@@ -142,7 +165,7 @@ class DomainFix:
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
         element behind an operand this remedy moved whole got no gradient at all (through every path)."""
-        places: dict[int, list[tuple[tuple[int, ...], tuple[int, ...], int] | None]] = {}
+        places: dict[int, list[torch.Tensor | None]] = {}
         for leaf, where in self.behind:
             places.setdefault(leaf, []).append(where)
         frozen = []
@@ -169,8 +192,10 @@ class DomainFix:
         if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
             return None
         operand = args[index]
-        if self.function == "pow" and whole_power(args[1] if len(args) > 1 else kwargs.get("exponent")):
-            return None  # (x ** 2 on the line of a x ** 0.5: defined, with a finite derivative, at every base)
+        if self.function == "pow" and _whole_power(args[1] if len(args) > 1 else kwargs.get("exponent")):
+            # (x ** 2 on the line of a x ** 0.5, or of a large or negative x: defined, with a finite derivative, at
+            # every base; no domain to clamp into, a clamp would only hide an overflow)
+            return None
         if not operand.is_floating_point():
             # (an integer denominator: counts, clamped to 1, where it is never negative; else there is no eps)
             return self._counted(func, args, kwargs, index) if self.function in ("div", "reciprocal") else None
