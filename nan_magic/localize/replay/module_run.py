@@ -37,6 +37,7 @@ from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.reached import reached_failure
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_at, nodes_made
 from nan_magic.localize.replay.untouched import arguments_untouched, untouched
@@ -122,7 +123,11 @@ def replay_module(
                 tracer.claim_first([tensor for _path, tensor in iter_tensors(output, attributes=True)])
         except Exception as error:
             failure = error
-        tracer.claim_earliest()
+        if failure is None:
+            tracer.claim_earliest()
+        elif tracer.finding is None and (reached := reached_failure(tracer, failure)) is not None:
+            # (a NaN it made and discarded before the user's own error is no cause of it: reached.py)
+            tracer.claim_origin(reached)
         tracer.witnesses.release()
     if guard.changed:
         # The call changed an object it was given (a KV cache it appended to): the replay began from that object

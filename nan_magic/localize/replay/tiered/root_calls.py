@@ -29,6 +29,7 @@ from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, transformed_call, version_of
 from nan_magic.hot.stats import tensor_stats
+from nan_magic.localize.ops.reached import reached_failure
 from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_for, nodes_made
@@ -274,9 +275,11 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             except Exception as error:  # the replay of a failing forward fails too, after its event
                 outcome.failure = error
                 tracer = inner.origins.tracer
-                if inner.report is None and tracer is not None and tracer.started:
-                    # Stopped before the value reached a boundary: the first op that made one is the producer.
-                    inner.origins.report_op(tracer.started[0])
+                if inner.report is None and tracer is not None and (
+                        reached := reached_failure(tracer, error)) is not None:
+                    # Stopped before the value reached a boundary: the op that made the value that reached what
+                    # raised is the producer (a NaN made and discarded before the user's own error is not: reached.py).
+                    inner.origins.report_op(reached)
             # The whole replayed step's table, not the calls made up to the event: read before the watch is left.
             layers = step_layers(inner.log, inner.targets.infos(), config.max_layers, per_module=True)
     outcome.report = with_layers(inner.report, layers)

@@ -1,0 +1,89 @@
+"""Whether a non-finite value reached the code that raised an exception, and the op that made it.
+
+A forward that raised is replayed to find a non-finite value before the exception (``torch.multinomial`` on NaN
+probabilities, an embedding of an index made from a NaN). The replay meets every op of the forward, a NaN that a
+``torch.where`` discarded too; that NaN did not cause the user's shape error two lines on. The exception is the
+user's own unless a non-finite value reached what raised it:
+
+- the op that raised read a non-finite value an op made, or an index or mask made from one (``.long()`` of a NaN:
+  :func:`after_op` follows such non-floating values on while the step has a non-finite value at all);
+- Python code raised (``int(nan)``, a distribution's validation, the user's ``if not isfinite(x).all(): raise``)
+  right after it read a value made from one into Python (``.item()``, ``bool()``): the last op before the raise.
+
+Nothing of this runs on a step where no op made a non-finite value (the tracer notes no origin then).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from nan_magic.hot.reads import relevant_kinds
+from nan_magic.localize.ops.origins import OpFinding, Origin
+from nan_magic.localize.ops.plans import run_op
+from nan_magic.localize.ops.sources import called_by_us
+
+if TYPE_CHECKING:
+    from nan_magic.localize.ops.tracer import OpTracer
+
+__all__ = ["after_op", "bad_origin", "failed_ops", "reached_failure"]
+
+#: The op that reads a tensor's value into Python (``.item()``, ``bool(t)``, ``int(t)``).
+_READ = torch.ops.aten._local_scalar_dense.default
+
+
+def _floating(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def bad_origin(tracer: OpTracer, tensor: torch.Tensor) -> Origin | None:
+    """The origin of ``tensor`` where it holds a non-finite value an op made, or is an index or mask made from
+    one; None otherwise (a finite value a discarded NaN's op passed its origin on to: ``where``'s output)."""
+    entry = tracer._origins.entry(tensor)
+    if not isinstance(entry, Origin):
+        return None
+    if _floating(tensor) and not relevant_kinds(tracer._known.kinds(tensor), tracer.kinds):
+        return None
+    return entry
+
+
+def after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+    """After an op, on a step where some op made a non-finite value: a non-floating output made from a non-finite
+    value (an index, a mask, a count) carries its origin on; the op read one into Python (:attr:`read_bad`)."""
+    if tracer.read_bad is not None and called_by_us():
+        return  # (our own copies of a line's locals as it ends, line_state.py, are not the user's next op)
+    origin = next((found for value in tree_leaves((args, kwargs))
+                   if isinstance(value, torch.Tensor) and (found := bad_origin(tracer, value)) is not None), None)
+    # (our own reads of a bad value, a gradient hook's counts, are not the user's code reading it)
+    tracer.read_bad = origin.finding if origin is not None and func is _READ and not called_by_us() else None
+    if origin is None:
+        return
+    for value in tree_leaves(out):
+        if isinstance(value, torch.Tensor) and not _floating(value) and tracer._origins.entry(value) is None:
+            tracer._origins.note(value, origin)
+
+
+def failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]]:
+    """The op that raised ``error`` under a dispatch mode of ours, innermost first, with its tensors."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is run_op.__code__:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
+        yield func, [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+
+
+def reached_failure(tracer: OpTracer, error: BaseException) -> OpFinding | None:
+    """The op that made the non-finite value that reached what raised ``error`` (the module docstring); None
+    where none did: the error is the user's own, whatever NaN the step made and discarded before it."""
+    ops = list(failed_ops(error))
+    for _func, arguments in ops:
+        for tensor in arguments:
+            if (origin := bad_origin(tracer, tensor)) is not None:
+                return origin.finding
+    return None if ops else tracer.read_bad
