@@ -14,6 +14,7 @@ Nothing of this runs on a step where no op made a non-finite value (the tracer n
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,10 @@ __all__ = ["after_op", "bad_origin", "failed_ops", "reached_failure"]
 
 #: The op that reads a tensor's value into Python (``.item()``, ``bool(t)``, ``int(t)``).
 _READ = torch.ops.aten._local_scalar_dense.default
+#: Ops that replace a non-finite value by a number (float32's largest for an inf): what they make of one is still
+#: made from it (``exp(x).nan_to_num().long()``, an index of 3.4e38), where a ``where`` leaves it out.
+_REPLACES = frozenset({torch.ops.aten.nan_to_num.default, torch.ops.aten.nan_to_num_.default,
+                       torch.ops.aten.nan_to_num.out})
 
 
 def _floating(tensor: torch.Tensor) -> bool:
@@ -44,7 +49,8 @@ def bad_origin(tracer: OpTracer, tensor: torch.Tensor) -> Origin | None:
     entry = tracer._origins.entry(tensor)
     if not isinstance(entry, Origin):
         return None
-    if _floating(tensor) and not relevant_kinds(tracer._known.kinds(tensor), tracer.kinds):
+    if _floating(tensor) and not relevant_kinds(tracer._known.kinds(tensor), tracer.kinds) and (
+            (ref := tracer.replaced.get(id(tensor))) is None or ref() is not tensor):
         return None
     return entry
 
@@ -56,12 +62,20 @@ def after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str,
         return  # (our own copies of a line's locals as it ends, line_state.py, are not the user's next op)
     origin = next((found for value in tree_leaves((args, kwargs))
                    if isinstance(value, torch.Tensor) and (found := bad_origin(tracer, value)) is not None), None)
-    # (our own reads of a bad value, a gradient hook's counts, are not the user's code reading it)
-    tracer.read_bad = origin.finding if origin is not None and func is _READ and not called_by_us() else None
+    # (our own reads of a bad value, a gradient hook's counts, are not the user's code reading it; nor the autograd
+    # engine's own, anomaly mode's check of a backward's output)
+    tracer.read_bad = origin.finding if origin is not None and func is _READ and not called_by_us() and (
+        torch._C._current_graph_task_id() in (-1, tracer.forward_task)) else None
     if origin is None:
         return
+    replaces = func in _REPLACES
     for value in tree_leaves(out):
-        if isinstance(value, torch.Tensor) and not _floating(value) and tracer._origins.entry(value) is None:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if replaces and _floating(value):
+            tracer._origins.note(value, origin)
+            tracer.replaced[id(value)] = weakref.ref(value)
+        elif not _floating(value) and tracer._origins.entry(value) is None:
             tracer._origins.note(value, origin)
 
 
