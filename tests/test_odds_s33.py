@@ -17,14 +17,18 @@ IDS = ["default", "defer", "full", "ops", "ops-defer"]
 class _Discards(nn.Module):
     """A where that keeps a sqrt's NaN of the negatives out, then ``tail`` (the user's code after it)."""
 
-    def __init__(self, tail: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, tail: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], trains: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.tail = tail
+        self.trains = trains
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        h = torch.where(h > 0, h.sqrt(), torch.zeros_like(h))
+        if self.trains:  # (its sqrt detached: no NaN in its backward either)
+            h = h + torch.where(h > 0, h.detach().sqrt(), torch.zeros_like(h))
+        else:
+            h = torch.where(h > 0, h.sqrt(), torch.zeros_like(h))
         return self.tail(h, x)
 
 
@@ -61,6 +65,12 @@ def _held_nan_then_shape_error(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return h @ torch.ones(3, 1)
 
 
+def _shape_error_on_a_nan_mask(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    raw = (x - 10).log()
+    missing = torch.isnan(raw)  # where the NaN was: well defined, the user's own handling
+    return torch.where(missing[:, :3], torch.zeros_like(h), h)  # 3 columns against 4: the user's bug
+
+
 def _users_key_error(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return {"a": h}["b"]
 
@@ -71,6 +81,7 @@ USERS = {
     "real_out_of_range_id": (_real_out_of_range_id, IndexError, "out of range"),
     "held_nan_then_shape_error": (_held_nan_then_shape_error, RuntimeError, "cannot be multiplied"),
     "key_error": (_users_key_error, KeyError, "b"),
+    "shape_error_on_a_nan_mask": (_shape_error_on_a_nan_mask, RuntimeError, "size of tensor"),
 }
 
 
@@ -134,3 +145,44 @@ def test_an_index_made_from_a_nan_names_the_op_that_made_the_nan(name: str, opti
         model(torch.randn(8, 4))
     report = caught.value.report
     assert report.op == "aten.log.default", report.op
+
+
+class _ShardUnreadable(OSError):
+    pass
+
+
+def _batches() -> object:
+    yield torch.randn(8, 4)
+    raise _ShardUnreadable("shard 3 unreadable")  # the data loader's own error, at the second batch
+
+
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+@pytest.mark.parametrize("where", ["loss_code", "data_loader"])
+def test_an_error_outside_the_forward_after_a_discarded_nan_stays_the_users(where: str, options: dict) -> None:
+    torch.manual_seed(0)
+    model = _Discards(lambda h, x: h.sum(-1), trains=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kind = KeyError if where == "loss_code" else _ShardUnreadable
+    with pytest.raises(kind) as caught, nan_magic.watch(model, opt, **options):
+        for x in _batches():
+            out = model(x)
+            losses = {"mse": out.pow(2).mean()}
+            loss = losses["l1" if where == "loss_code" else "mse"]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not isinstance(caught.value, nan_magic.NonFiniteError)
+
+
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+def test_a_healthy_step_then_the_users_error_at_step_two_stays_the_users(options: dict) -> None:
+    torch.manual_seed(0)
+    model = _Discards(lambda h, x: h @ torch.ones(4 if x.shape[0] == 8 else 3, 1), trains=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as caught, nan_magic.watch(model, opt, **options):
+        for batch in (8, 8, 6):
+            loss = model(torch.randn(batch, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not isinstance(caught.value, nan_magic.NonFiniteError)

@@ -43,39 +43,45 @@ def _floating(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
 
-def bad_origin(tracer: OpTracer, tensor: torch.Tensor) -> Origin | None:
-    """The origin of ``tensor`` where it holds a non-finite value an op made, or is an index or mask made from
-    one; None otherwise (a finite value a discarded NaN's op passed its origin on to: ``where``'s output)."""
+def bad_origin(tracer: OpTracer, tensor: torch.Tensor, read: bool = False) -> Origin | None:
+    """The origin of ``tensor`` where it holds a non-finite value an op made, or a value made of one (an index cast
+    from a NaN, a ``nan_to_num``'s number for an inf); with ``read``, also where it is anything made from one (an
+    ``isfinite`` mask, its ``all()``: what the user's check reads). None otherwise: a finite value a discarded NaN's
+    op passed its origin on to (``where``'s output), a mask that only says where the NaN was, for an op."""
     entry = tracer._origins.entry(tensor)
     if not isinstance(entry, Origin):
         return None
-    if _floating(tensor) and not relevant_kinds(tracer._known.kinds(tensor), tracer.kinds) and (
-            (ref := tracer.replaced.get(id(tensor))) is None or ref() is not tensor):
-        return None
-    return entry
+    if read and not _floating(tensor):
+        return entry
+    if (ref := tracer.made_of.get(id(tensor))) is not None and ref() is tensor:
+        return entry
+    return entry if _floating(tensor) and relevant_kinds(tracer._known.kinds(tensor), tracer.kinds) else None
 
 
 def after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-    """After an op, on a step where some op made a non-finite value: a non-floating output made from a non-finite
-    value (an index, a mask, a count) carries its origin on; the op read one into Python (:attr:`read_bad`)."""
+    """After an op, on a step where some op made a non-finite value: an output made of one (an integer cast of a
+    NaN, a ``nan_to_num``) or any non-floating output made from one (a mask) carries its origin on; the op read one
+    into Python (:attr:`read_bad`)."""
     if tracer.read_bad is not None and called_by_us():
         return  # (our own copies of a line's locals as it ends, line_state.py, are not the user's next op)
-    origin = next((found for value in tree_leaves((args, kwargs))
-                   if isinstance(value, torch.Tensor) and (found := bad_origin(tracer, value)) is not None), None)
+    inputs = [value for value in tree_leaves((args, kwargs)) if isinstance(value, torch.Tensor)]
+    origin = next((found for value in inputs if (found := bad_origin(tracer, value, read=True)) is not None), None)
     # (our own reads of a bad value, a gradient hook's counts, are not the user's code reading it; nor the autograd
     # engine's own, anomaly mode's check of a backward's output)
     tracer.read_bad = origin.finding if origin is not None and func is _READ and not called_by_us() and (
         torch._C._current_graph_task_id() in (-1, tracer.forward_task)) else None
     if origin is None:
         return
+    made = next((found for value in inputs if (found := bad_origin(tracer, value)) is not None), None)
     replaces = func in _REPLACES
     for value in tree_leaves(out):
         if not isinstance(value, torch.Tensor):
             continue
-        if replaces and _floating(value):
-            tracer._origins.note(value, origin)
-            tracer.replaced[id(value)] = weakref.ref(value)
-        elif not _floating(value) and tracer._origins.entry(value) is None:
+        floating = _floating(value)
+        if made is not None and (replaces if floating else value.dtype is not torch.bool):
+            tracer._origins.note(value, made)
+            tracer.made_of[id(value)] = weakref.ref(value)
+        elif not floating and tracer._origins.entry(value) is None:
             tracer._origins.note(value, origin)
 
 

@@ -200,8 +200,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.data_region: Callable[[], bool] | None = None
         #: The origin of a value made from a non-finite one that the last op read into Python (reached.py).
         self.read_bad: OpFinding | None = None
-        #: Each value a ``nan_to_num`` made from a non-finite one, by id (reached.py).
-        self.replaced: dict[int, weakref.ref[torch.Tensor]] = {}
+        #: Each value made of a non-finite one (an integer cast of a NaN, a ``nan_to_num``), by id (reached.py).
+        self.made_of: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = (), ended: bool = False) -> None:
         """Forget the finding and check again; with ``origins``, forget the origins too (a new step); ``ended``: the
@@ -221,7 +221,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
             kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *stepped]]
             self.started.clear()
             self.read_bad = None
-            self.replaced.clear()
+            self.made_of.clear()
             self.entered_data.clear()
             self._literals.clear()
             self._written = dict(written)  # (the batch the call judges was written before the step opened)
