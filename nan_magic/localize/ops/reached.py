@@ -5,10 +5,13 @@ probabilities, an embedding of an index made from a NaN). The replay meets every
 ``torch.where`` discarded too; that NaN did not cause the user's shape error two lines on. The exception is the
 user's own unless a non-finite value reached what raised it:
 
-- the op that raised read a non-finite value an op made, or an index or mask made from one (``.long()`` of a NaN:
-  :func:`after_op` follows such non-floating values on while the step has a non-finite value at all);
+- the op that raised read a non-finite value an op made, or a value made *of* one: an integer cast of a NaN (an
+  index), a ``nan_to_num``'s number for an inf, and what integer ops make of those (:func:`after_op` follows them
+  on while the step has a non-finite value at all). A mask that only says where the NaN was (``isnan(x)``) is the
+  user's handling of it, not a bad value: a shape error in a ``where`` over it stays theirs;
 - Python code raised (``int(nan)``, a distribution's validation, the user's ``if not isfinite(x).all(): raise``)
-  right after it read a value made from one into Python (``.item()``, ``bool()``): the last op before the raise.
+  right after the user's code read a value made *from* one into Python (``.item()``, ``bool()``, masks included):
+  the last op before the raise (our own reads and the autograd engine's, anomaly mode's, do not count).
 
 Nothing of this runs on a step where no op made a non-finite value (the tracer notes no origin then).
 """
