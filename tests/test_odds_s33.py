@@ -186,3 +186,56 @@ def test_a_healthy_step_then_the_users_error_at_step_two_stays_the_users(options
             loss.backward()
             opt.step()
     assert not isinstance(caught.value, nan_magic.NonFiniteError)
+
+
+# -- 2. Manual float16 loss scaling: what any rule that calls its skipped overflow benign must still report ---------
+
+
+class _Half(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, bad: bool = False) -> torch.Tensor:
+        h = self.lin(x)
+        z = h * 0 if bad else h.abs() + 1
+        return self.head(z.sqrt())  # a real NaN (sqrt of an exact 0) in its backward when bad
+
+
+def _half_loop(model: nn.Module, opt: torch.optim.Optimizer, *, backs_off: bool, bad_step: int | None,
+               scale: float) -> None:
+    x, y = torch.randn(8, 6).half(), torch.randint(0, 3, (8,))
+    for step in range(4):
+        loss = nn.functional.cross_entropy(model(x, bad=step == bad_step).float(), y)
+        opt.zero_grad()
+        (loss * scale).backward()
+        if not torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)):
+            scale /= 2.0 ** 8 if backs_off else 1
+            continue
+        for p in model.parameters():
+            p.grad /= scale
+        opt.step()
+
+
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+def test_a_real_nan_of_a_float16_model_under_a_scale_the_loop_backs_off_is_reported_at_its_step(
+        options: dict) -> None:
+    torch.manual_seed(0)
+    model = _Half().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        _half_loop(model, opt, backs_off=True, bad_step=1, scale=2.0 ** 4)
+    report = caught.value.report
+    assert (report.phase.value, report.step, report.benign) == ("backward", 1, False)
+    assert report.source is not None and "z.sqrt()" in report.source.line
+
+
+@pytest.mark.parametrize("options", MODES, ids=IDS)
+def test_a_float16_overflow_a_loop_skips_without_backing_off_is_reported_at_step_0(options: dict) -> None:
+    torch.manual_seed(0)
+    model = _Half().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        _half_loop(model, opt, backs_off=False, bad_step=None, scale=2.0 ** 24)
+    report = caught.value.report
+    assert (report.phase.value, report.step, report.benign) == ("backward", 0, False)
