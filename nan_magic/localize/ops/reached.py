@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.reads import relevant_kinds
-from nan_magic.localize.ops.origins import OpFinding, Origin
+from nan_magic.localize.ops.kinds import KnownKinds
+from nan_magic.localize.ops.origins import OpFinding, Origin, Origins
 from nan_magic.localize.ops.plans import run_op
 from nan_magic.localize.ops.sources import called_by_us
-
-if TYPE_CHECKING:
-    from nan_magic.localize.ops.tracer import OpTracer
 
 __all__ = ["after_op", "bad_origin", "failed_ops", "reached_failure"]
 
@@ -40,6 +38,17 @@ _READ = torch.ops.aten._local_scalar_dense.default
 #: made from it (``exp(x).nan_to_num().long()``, an index of 3.4e38), where a ``where`` leaves it out.
 _REPLACES = frozenset({torch.ops.aten.nan_to_num.default, torch.ops.aten.nan_to_num_.default,
                        torch.ops.aten.nan_to_num.out})
+
+
+class OpTracer(Protocol):
+    """What this module reads and writes of the op tracer (tracer.py, which calls :func:`after_op`)."""
+
+    _origins: Origins
+    _known: KnownKinds
+    kinds: frozenset[str]
+    forward_task: int
+    read_bad: OpFinding | None
+    made_of: dict[int, weakref.ref[torch.Tensor]]
 
 
 def _floating(tensor: torch.Tensor) -> bool:
