@@ -13,7 +13,8 @@ user's own unless a non-finite value reached what raised it:
   right after the user's code read a value made *from* one into Python (``.item()``, ``bool()``, masks included):
   the last op before the raise (our own reads and the autograd engine's, anomaly mode's, do not count).
 
-Nothing of this runs on a step where no op made a non-finite value (the tracer notes no origin then).
+Nothing of this runs on a step where no op made a non-finite value (the tracer started no origin then; a
+benign mask's -inf starts none either): a truth test of a list an op.
 """
 from __future__ import annotations
 
