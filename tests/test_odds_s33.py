@@ -124,7 +124,7 @@ def test_a_nan_read_by_the_code_that_raised_is_reported(name: str, options: dict
         model(torch.randn(8, 4))
     report = caught.value.report
     assert report.op == f"{op}.default", report.op
-    assert report.phase.value == "forward"
+    assert report.phase.value == "forward" and report.nan > 0
 
 
 INDEXES = {
@@ -145,6 +145,7 @@ def test_an_index_made_from_a_nan_names_the_op_that_made_the_nan(name: str, opti
         model(torch.randn(8, 4))
     report = caught.value.report
     assert report.op == "aten.log.default", report.op
+    assert report.nan > 0 and f"({report.nan} nan of 32)" in str(caught.value).splitlines()[0]  # (was "of 0", ops)
 
 
 class _ShardUnreadable(OSError):

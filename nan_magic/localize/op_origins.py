@@ -368,6 +368,8 @@ class OpOrigins:
         """``finding`` of the value that reached what raised ``error``, with the op that made it."""
         if origin is not None:
             attach_origin(finding, origin)
+            # (the value that reached it is an index or a Python number made from the op's output: its counts)
+            finding.bad_stats = origin.output_stats
         else:
             self.add_op_origin(finding, tensor)
         self._name_type_and_model(finding)
