@@ -75,6 +75,13 @@ def after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str,
     """After an op, on a step where some op made a non-finite value: an output made of one (an integer cast of a
     NaN, a ``nan_to_num``) or any non-floating output made from one (a mask) carries its origin on; the op read one
     into Python (:attr:`read_bad`)."""
+    try:
+        _after_op(tracer, func, args, kwargs, out)
+    except Exception:  # (a tensor subclass that refuses our reads: what reached an op is then not followed)
+        tracer.read_bad = None
+
+
+def _after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
     if tracer.read_bad is not None and called_by_us():
         return  # (our own copies of a line's locals as it ends, line_state.py, are not the user's next op)
     inputs = [value for value in tree_leaves((args, kwargs)) if isinstance(value, torch.Tensor)]

@@ -104,6 +104,7 @@ def replay_module(
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
+    returned = False  # (the forward returned: a failure after it is our own reading of its output, not the user's)
     # The watch judged the forward's own output (its global hook runs first), not a user's hook's (zeroing a -inf).
     raw: list[Any] = []  # (the outermost call of a module that calls itself returns last)
     def keep_raw(sub: nn.Module, _args: Any, result: Any) -> None:
@@ -119,11 +120,12 @@ def replay_module(
         try:
             with torch.set_grad_enabled(saving), tracer:
                 output = module(*args, **kwargs)
+                returned = True
                 output = raw[0] if raw else output
                 tracer.claim_first([tensor for _path, tensor in iter_tensors(output, attributes=True)])
         except Exception as error:
             failure = error
-        if failure is None:
+        if failure is None or returned:
             tracer.claim_earliest()
         elif tracer.finding is None and (reached := reached_failure(tracer, failure)) is not None:
             # (a NaN it made and discarded before the user's own error is no cause of it: reached.py)

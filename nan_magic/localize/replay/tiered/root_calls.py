@@ -253,6 +253,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                 # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
                 # its forward ops belong to that graph task, and are the replay's forward, with their lines.
                 inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
+            returned = False  # (the forward returned: a failure after it is no user's error of the forward)
             try:
                 start = nodes_made()
                 if stop is not None:
@@ -260,6 +261,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                         target(*args, **kwargs)
                     return outcome
                 output = target(*args, **kwargs)
+                returned = True
                 if not backward:
                     outcome.boundary = _stats_at(output, _output_path(boundary))
                 else:
@@ -275,8 +277,9 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             except Exception as error:  # the replay of a failing forward fails too, after its event
                 outcome.failure = error
                 tracer = inner.origins.tracer
-                if inner.report is None and tracer is not None and (
-                        reached := reached_failure(tracer, error)) is not None:
+                if inner.report is None and tracer is not None and (reached := (
+                        tracer.started[0] if tracer.started else None) if returned else reached_failure(
+                        tracer, error)) is not None:
                     # Stopped before the value reached a boundary: the op that made the value that reached what
                     # raised is the producer (a NaN made and discarded before the user's own error is not: reached.py).
                     inner.origins.report_op(reached)
