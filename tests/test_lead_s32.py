@@ -24,15 +24,7 @@ class _DiscardedThenShapeError(nn.Module):
         return h @ torch.ones(3, 1)  # 4 columns against 3 rows: the user's bug
 
 
-_REPLAY_STOPS = pytest.mark.xfail(strict=True, reason=(
-    "the replay of a forward that raised stops at the first op that makes a non-finite value (the where's sqrt of "
-    "the negatives it discards) and reports it as the cause of the user's shape error: it should run on to the "
-    "error and name a non-finite value only where it reached the op that raised (as ops=True does); older than "
-    "session 32"))
-
-
-@pytest.mark.parametrize("options", [pytest.param(options, marks=_REPLAY_STOPS) if not options.get("ops") else options
-                                     for options in MODES], ids=IDS)
+@pytest.mark.parametrize("options", MODES, ids=IDS)
 def test_a_users_shape_error_after_a_discarded_nan_stays_the_users(options: dict) -> None:
     # odds-s32's fallback for an index a NaN made (the step's first non-finite op) named the where's sqrt for any
     # RuntimeError under ops=True: the user's own error is theirs, only an indexing op's error is evidence of a NaN

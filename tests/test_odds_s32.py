@@ -285,14 +285,7 @@ SOURCES = {"nan_cast": ("aten.log.default", "self.fc(x).log().long()"),
            "index_select": ("aten.log.default", "self.fc(x).log().int()")}
 
 
-_OPS_INDEX = pytest.mark.xfail(strict=True, reason=(
-    "ops=True gives the plain IndexError of an index made from a NaN (the NaN cast to an integer is no longer "
-    "non-finite, so no op's argument shows it): odds-s32's fallback (the step's first non-finite op) was taken back, "
-    "as it named a where's discarded NaN for a real out-of-range token id, or for the anomaly mode's backward error"))
-
-
-@pytest.mark.parametrize("mode", [pytest.param(mode, marks=_OPS_INDEX) if mode.startswith("ops") else mode
-                                  for mode in MODES])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("how", sorted(SOURCES))
 def test_an_index_made_from_a_nan_is_reported_in_every_mode(how: str, mode: str) -> None:
     """Was: under ops=True (and ops with defer) the embedding's IndexError came out plain, no report, where the

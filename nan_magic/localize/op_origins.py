@@ -16,12 +16,11 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding, named_inputs, record_ref
@@ -29,7 +28,7 @@ from nan_magic.hot.reads import is_checkable, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
-from nan_magic.localize.ops.plans import run_op
+from nan_magic.localize.ops.reached import bad_origin, failed_ops
 from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
@@ -336,26 +335,49 @@ class OpOrigins:
         recorder = self.tracer or self.outside
         if recorder is None:
             return None
-        for func, arguments in _failed_ops(error):
+        failed = list(failed_ops(error))
+        for func, arguments in failed:
             for tensor in arguments:
-                if not relevant_kinds(tensor_stats(tensor).kinds, recorder.kinds):
-                    continue
-                finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"), bad=tensor.detach())
-                self.add_op_origin(finding, tensor)
-                self._name_type_and_model(finding)
-                finding.notes.append(Note.raised("op-raised", error, func=str(func)))
-                return finding
-        # Raised by Python code, not by an op (a distribution's argument validation: Categorical(probs=...) with NaN
-        # probabilities raises ValueError): a tensor a frame of the traceback holds that recorded or traced code
-        # made non-finite is claimed the same way, the function that held it said in the note.
+                if is_checkable(tensor) and relevant_kinds(tensor_stats(tensor).kinds, recorder.kinds):
+                    return self._failed_on(Finding(Phase.FORWARD, None, TensorRef.argument("input"),
+                                                   bad=tensor.detach()), tensor, error, str(func))
+                if self.tracer is not None and (origin := bad_origin(self.tracer, tensor)) is not None:
+                    # an index or a mask made from a non-finite value (``emb(nan.long())``): the op that made it
+                    finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"))
+                    return self._failed_on(finding, None, error, str(func), origin.finding)
+        if failed:
+            return None  # (an op raised on finite values: the user's own error, whatever NaN the step discarded)
+        if self.tracer is not None:
+            # Raised by Python code right after it read a value made from a non-finite one (``int(nan)``, a
+            # distribution's argument validation, the user's ``if not isfinite(x).all(): raise``): reached.py.
+            read = self.tracer.read_bad
+            if read is None:
+                return None
+            finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"))
+            return self._failed_on(finding, None, error, None, read)
+        # Raised by Python code, not by an op: a tensor a frame of the traceback holds that recorded code made
+        # non-finite is claimed the same way, the function that held it said in the note.
         for function, tensor in traceback_tensors(error):
             if relevant_kinds(tensor_stats(tensor).kinds, recorder.kinds) and self.made_by_recorded_code(tensor):
-                finding = Finding(Phase.FORWARD, None, TensorRef.argument("input"), bad=tensor.detach())
-                self.add_op_origin(finding, tensor)
-                self._name_type_and_model(finding)
-                finding.notes.append(Note.raised("op-raised", error, func=function))
-                return finding
+                return self._failed_on(Finding(Phase.FORWARD, None, TensorRef.argument("input"),
+                                               bad=tensor.detach()), tensor, error, function)
         return None
+
+    def _failed_on(self, finding: Finding, tensor: torch.Tensor | None, error: BaseException, func: str | None,
+                   origin: OpFinding | None = None) -> Finding:
+        """``finding`` of the value that reached what raised ``error``, with the op that made it."""
+        if origin is not None:
+            attach_origin(finding, origin)
+            # (the value that reached it is an index or a Python number made from the op's output: its counts)
+            finding.bad_stats = origin.output_stats
+        else:
+            self.add_op_origin(finding, tensor)
+        self._name_type_and_model(finding)
+        if func is not None:
+            finding.notes.append(Note.raised("op-raised", error, func=func))
+        else:
+            finding.notes.append(Note.raised("forward-raised", error))
+        return finding
 
     def report_op(self, op_finding: OpFinding, call: Call | None = None, record: TensorRecord | None = None,
                   notes: tuple[Note, ...] = ()) -> None:
@@ -444,20 +466,6 @@ def _holds_line(code: Any, source: Any) -> bool:
         return False
     lines = [line for _start, _end, line in code.co_lines() if line is not None]
     return bool(lines) and min(lines) <= source.lineno <= max(lines)
-
-
-def _failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]]:
-    """The op that raised ``error`` under a dispatch mode of ours, innermost first, with its floating tensors."""
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is run_op.__code__:
-            frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
-        func, args, kwargs = (frame.f_locals.get(name) for name in ("func", "args", "kwargs"))
-        leaves = tree_leaves((args, kwargs))
-        yield func, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and is_checkable(leaf)]
 
 
 def _same_values(boundary: TensorStats, output: TensorStats | None) -> bool:

@@ -87,7 +87,8 @@ def is_plumbing(frame: FrameType) -> bool:
 # The op tracer's own files: its frames stand between an op and whoever called it.
 _TRACER_FILES = frozenset(
     os.path.join(_OPS_DIR, name)
-    for name in ("tracer.py", "origin_rules.py", "plans.py", "sources.py", "origins.py", "kinds.py", "witnesses.py")
+    for name in ("tracer.py", "origin_rules.py", "plans.py", "sources.py", "origins.py", "kinds.py", "witnesses.py",
+                 "reached.py")
 )
 # Our files that call the user's code: the wrapped Tensor.backward, a replay running a module
 # (whose ops are the module's, even an nn.Linear's), a replayed step and its backward, and the

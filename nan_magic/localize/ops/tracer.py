@@ -86,6 +86,7 @@ from nan_magic.localize.ops.plans import (
     run_op,
     tensors,
 )
+from nan_magic.localize.ops.reached import after_op
 from nan_magic.localize.ops.sources import (
     NodeSources,
     called_by_us,
@@ -197,6 +198,10 @@ class OpTracer(OriginRules, TorchDispatchMode):
         #: tell an origin the loop built from outside data alone (OpFinding.from_data). None in the replays.
         self.derived: ModelDerived | None = None
         self.data_region: Callable[[], bool] | None = None
+        #: The origin of a value made from a non-finite one that the last op read into Python (reached.py).
+        self.read_bad: OpFinding | None = None
+        #: Each value made of a non-finite one (an integer cast of a NaN, a ``nan_to_num``), by id (reached.py).
+        self.made_of: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = (), ended: bool = False) -> None:
         """Forget the finding and check again; with ``origins``, forget the origins too (a new step); ``ended``: the
@@ -215,6 +220,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
             stepped = [] if ended else self._origins.stepped()
             kept = [(tensor, self._origins.entry(tensor)) for tensor in [*keep, *stepped]]
             self.started.clear()
+            self.read_bad = None
+            self.made_of.clear()
             self.entered_data.clear()
             self._literals.clear()
             self._written = dict(written)  # (the batch the call judges was written before the step opened)
@@ -272,6 +279,12 @@ class OpTracer(OriginRules, TorchDispatchMode):
             with self._lock:
                 self.finding = self.started[0]
                 self.producer_tensors = self.witnesses.copies(self.started[0])
+
+    def claim_origin(self, origin: OpFinding) -> None:
+        """Make ``origin`` the finding (a forward replay's that reached the op that raised: reached.py)."""
+        with self._lock:
+            self.finding = origin
+            self.producer_tensors = self.witnesses.copies(origin)
 
     def claim_first(self, boundary: Sequence[torch.Tensor | None]) -> None:
         """:meth:`claim` the origin of the first non-finite tensor of ``boundary`` that has one.
@@ -331,6 +344,8 @@ class OpTracer(OriginRules, TorchDispatchMode):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
         out = self._checked(func, plan, args, kwargs, in_backward)
+        if self.started:  # (only once an op made a non-finite value this step: what reached an op, reached.py)
+            after_op(self, func, args, kwargs, out)
         # (A backward's ops are not followed: derived.py. An output that requires grad is model-derived by that
         # alone: an in-place op on one returns what it wrote.)
         if self.derived is not None and not in_backward and not (isinstance(out, torch.Tensor) and out.requires_grad):

@@ -37,6 +37,7 @@ from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.reached import reached_failure
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_at, nodes_made
 from nan_magic.localize.replay.untouched import arguments_untouched, untouched
@@ -103,6 +104,7 @@ def replay_module(
         args, kwargs = copy_tensors(tuple(args), copies), copy_tensors(dict(kwargs), copies)
     output: Any = None
     failure: Exception | None = None
+    returned = False  # (the forward returned: a failure after it is our own reading of its output, not the user's)
     # The watch judged the forward's own output (its global hook runs first), not a user's hook's (zeroing a -inf).
     raw: list[Any] = []  # (the outermost call of a module that calls itself returns last)
     def keep_raw(sub: nn.Module, _args: Any, result: Any) -> None:
@@ -118,11 +120,16 @@ def replay_module(
         try:
             with torch.set_grad_enabled(saving), tracer:
                 output = module(*args, **kwargs)
+                returned = True
                 output = raw[0] if raw else output
                 tracer.claim_first([tensor for _path, tensor in iter_tensors(output, attributes=True)])
         except Exception as error:
             failure = error
-        tracer.claim_earliest()
+        if failure is None or returned:
+            tracer.claim_earliest()
+        elif tracer.finding is None and (reached := reached_failure(tracer, failure)) is not None:
+            # (a NaN it made and discarded before the user's own error is no cause of it: reached.py)
+            tracer.claim_origin(reached)
         tracer.witnesses.release()
     if guard.changed:
         # The call changed an object it was given (a KV cache it appended to): the replay began from that object

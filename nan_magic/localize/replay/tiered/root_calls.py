@@ -29,6 +29,7 @@ from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, transformed_call, version_of
 from nan_magic.hot.stats import tensor_stats
+from nan_magic.localize.ops.reached import reached_failure
 from nan_magic.localize.ops.sources import Caller, ReplayedFrom
 from nan_magic.localize.replay.layer_rows import step_layers, with_layers
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_for, nodes_made
@@ -252,6 +253,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                 # A replay from a gradient hook (a per-module step's event) runs inside the user's backward:
                 # its forward ops belong to that graph task, and are the replay's forward, with their lines.
                 inner.origins.tracer.forward_task = torch._C._current_graph_task_id()
+            returned = False  # (the forward returned: a failure after it is no user's error of the forward)
             try:
                 start = nodes_made()
                 if stop is not None:
@@ -259,6 +261,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                         target(*args, **kwargs)
                     return outcome
                 output = target(*args, **kwargs)
+                returned = True
                 if not backward:
                     outcome.boundary = _stats_at(output, _output_path(boundary))
                 else:
@@ -274,9 +277,12 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             except Exception as error:  # the replay of a failing forward fails too, after its event
                 outcome.failure = error
                 tracer = inner.origins.tracer
-                if inner.report is None and tracer is not None and tracer.started:
-                    # Stopped before the value reached a boundary: the first op that made one is the producer.
-                    inner.origins.report_op(tracer.started[0])
+                if inner.report is None and tracer is not None and (reached := (
+                        tracer.started[0] if tracer.started else None) if returned else reached_failure(
+                        tracer, error)) is not None:
+                    # Stopped before the value reached a boundary: the op that made the value that reached what
+                    # raised is the producer (a NaN made and discarded before the user's own error is not: reached.py).
+                    inner.origins.report_op(reached)
             # The whole replayed step's table, not the calls made up to the event: read before the watch is left.
             layers = step_layers(inner.log, inner.targets.infos(), config.max_layers, per_module=True)
     outcome.report = with_layers(inner.report, layers)
