@@ -185,3 +185,29 @@ def test_the_users_own_stop_after_a_dict_lookup_stays_theirs(variant: str, mode:
         _own_stop(model, variant)
     assert watching.report is None
     assert [(event.phase.value, event.step, event.benign) for event in watching.events] == [("data", 0, True)]
+
+
+# --------------------------------------------- fixes-s33, item 4: an oscillating real divergence is still one
+def test_a_divergence_whose_loss_falls_back_part_way_is_still_one() -> None:
+    """A run that began at ~1 and diverged to the 1e6 scale, its loss 1e4 on a small batch the step before the
+    failing one: was (fixes-s33's "falling" rule) not diverged, and a lowered update's trial loss of 5e3 could read
+    verified; the state it was redone from had diverged."""
+    from nan_magic.fixes.remedies.diverged import diverged_before, diverged_loss
+    from nan_magic.step_records import StepSummary
+
+    losses = [1.0, 0.9, 0.8, 0.8, 0.7, 1e3, 5e4, 2e6, 8e5, 1e4]
+    history = [StepSummary(step=index, loss=loss, absmax=None) for index, loss in enumerate(losses)]
+    assert diverged_before(history, 8) is not None
+    assert diverged_loss(history, 9, 5e3) == (4, 0.7)
+
+
+# --------------------------------------------- fixes-s33, item 5: a bool or integer tensor exponent is whole
+@pytest.mark.parametrize(("exponent", "whole"), [
+    (torch.tensor([True, False]), True), (torch.tensor([2, 3]), True), (torch.tensor([2, -1]), False),
+    (torch.tensor([2.0, 0.5]), False), (torch.tensor([2.0, 3.0]), True), (torch.tensor([2 + 0j]), False),
+])
+def test_a_whole_power_reads_any_dtype_of_exponent(exponent: torch.Tensor, whole: bool) -> None:
+    """Was: ``NotImplementedError: "round" not implemented for 'Bool'`` inside the trial for ``x ** mask``."""
+    from nan_magic.fixes.remedies.domain import _whole_power
+
+    assert _whole_power(exponent) is whole
