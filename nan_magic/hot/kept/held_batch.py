@@ -158,15 +158,17 @@ def _stopped_at(exc: BaseException, opcode: int, kind: type[BaseException]) -> b
 
 def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
     """Whether a local of a user's frame in ``exc``'s traceback (the loop's, a helper's, a model's own ``forward``)
-    holds a non-finite floating tensor or number other than ``batch`` and its views (sharing its storage): the
-    value the user's own check may have raised on. Asked only as a step with a held batch raises."""
+    holds a non-finite floating tensor or number other than ``batch`` and its views (sharing its storage), itself or
+    as an item of a list, tuple or dict it holds (a loss history): the value the user's own check may have raised on.
+    Asked only as a step with a held batch raises. (A value checked where no local holds it, ``if
+    torch.isnan(loss_fn(model(x), x)): raise``, is not seen: that batch is settled as handled.)"""
     storage = _storage_of(batch) if batch is not None else None
     tb = exc.__traceback__
     while tb is not None:
         frame, tb = tb.tb_frame, tb.tb_next
         if is_library_code(frame.f_code):
             continue
-        for value in list(frame.f_locals.values()):
+        for value in _with_items(list(frame.f_locals.values())):
             if isinstance(value, float):
                 if not math.isfinite(value):
                     return True
@@ -177,6 +179,17 @@ def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
                     if not bool(torch.isfinite(value.detach()).all()):
                         return True
     return False
+
+
+def _with_items(values: list[object]) -> list[object]:
+    """``values`` and the items of those that are lists, tuples or dicts (one level)."""
+    out = list(values)
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            out.extend(value)
+        elif isinstance(value, dict):
+            out.extend(value.values())
+    return out
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[str, int] | None:
