@@ -138,6 +138,10 @@ def _history(losses: list[float]) -> list[StepSummary]:
 _SCALED = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5] * 2 + [1e4, 9e3, 8e3, 7e3]  # (a loss weight 1 -> 1e4 at step 12)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "the divergence rule cannot tell a loss weight raised mid-run (a jump, then falling) from a real spike that "
+    "partly recovers ([1, .7, 1e3, 5e4, 2e6, 8e5, 1e4]): the rule that excused this run excused that one too, so the "
+    "base rule is back and this run still reads 'had already diverged'"))
 def test_a_loss_weight_raised_mid_run_is_not_a_divergence() -> None:
     """Was: ``(15, 7000.0, 5, 0.5)``: "the state it was redone from had already diverged" and a lowered update's
     own finite loss read "still far above the lowest". The loss falls since the jump: the run trains."""

@@ -38,9 +38,6 @@ __all__ = ["DIVERGED", "LINEAR", "diverged_before", "diverged_loss", "lowered_up
 #: diverged (a lowered update from there, or to there, is no fix).
 DIVERGED = 1e3
 
-#: The losses a diverged one is still not below (the steps just before it): a run whose loss falls is training.
-RECENT = 3
-
 #: Optimizers whose whole update is the learning rate times a step that does not depend on it.
 LINEAR = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"})
 
@@ -108,19 +105,12 @@ def _lowest(history: Iterable[StepSummary], upto: int) -> tuple[int, float, floa
 
 def diverged_loss(history: Iterable[StepSummary], upto: int, loss: float | None) -> tuple[int, float] | None:
     """``(the step of the lowest loss up to step upto, that loss)`` where ``loss`` rose above it by more than
-    :data:`DIVERGED` times the run's scale (:func:`_lowest`) and is still rising (not below each of the
-    :data:`RECENT` losses up to ``upto``): a run diverged, not one that crossed 0 or improved, nor one whose loss was
-    scaled up mid-run and falls since (a loss weight raised from 1 to 1e4 at step 10: by hand a lower learning rate
-    trains)."""
-    history = list(history)
+    :data:`DIVERGED` times the run's scale (:func:`_lowest`): a run diverged, not one that crossed 0 or improved."""
     lowest = _lowest(history, upto)
     if lowest is None or loss is None or not math.isfinite(loss):
         return None
     step, low, scale = lowest
-    recent = [float(entry.loss) for entry in history if entry.loss is not None and math.isfinite(entry.loss) and
-              upto - RECENT < entry.step <= upto]
-    falling = bool(recent) and loss < min(recent)
-    return (step, low) if loss - low > DIVERGED * scale and not falling else None
+    return (step, low) if loss - low > DIVERGED * scale else None
 
 
 def diverged_before(history: Iterable[StepSummary], from_step: int) -> tuple[int, float, int, float] | None:

@@ -53,8 +53,11 @@ def _whole_power(exponent: Any) -> bool:
     non-finite is an overflow, which no clamp of the operand from below fixes (a square of -1e30 clamped to eps is
     eps squared: finite, and no longer the user's value)."""
     if isinstance(exponent, torch.Tensor) and exponent.numel():
-        with torch.no_grad():
-            return bool(((exponent == exponent.round()) & (exponent >= 0)).all())
+        if exponent.is_complex():
+            return False
+        with torch.no_grad():  # (a bool or integer exponent is whole: ``round`` takes neither)
+            whole = exponent == exponent.round() if exponent.is_floating_point() else True
+            return bool((whole & (exponent >= 0)).all())
     return whole_power(exponent)
 
 

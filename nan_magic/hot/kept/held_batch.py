@@ -21,16 +21,20 @@ non-finite record (the step cycle and the deferred check read one attribute a st
 from __future__ import annotations
 
 import dis
+import math
 import sys
 from collections.abc import Callable
+
+import torch
 
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.finding import Finding
 
-__all__ = ["HeldBatch", "raised_by_a_raise_statement"]
+__all__ = ["HeldBatch", "nonfinite_beside", "raised_by_a_raise_statement"]
 
 _RAISE = dis.opmap["RAISE_VARARGS"]
+_SUBSCRIPT = dis.opmap.get("BINARY_SUBSCR", -1)  # (3.14: a BINARY_OP)
 
 
 class HeldBatch:
@@ -97,12 +101,17 @@ class HeldBatch:
     def explain(self, exc: BaseException) -> NonFiniteError | None:
         """The user's code raised ``exc`` in the step (an op that raises on the NaN): the held batch's error, if one
         is held. Not where the user's own ``raise`` statement (or ``assert``) raised it, nor where it ends an iteration
-        (``next(batches)`` past the last batch of an evaluation loop): every value of the step so far was finite, so
-        it is their decision (an early stop, a time budget, the data running out), left to reach their ``except`` as
-        it would unwatched; the batch was handled as far as the step ran (settled: a benign event)."""
-        if self.finding is None:
+        (``next(batches)`` past the last batch of an evaluation loop), *and* no value the raising code holds is
+        non-finite but the batch (:func:`nonfinite_beside`): their decision (an early stop, a time budget, the data
+        running out), left to reach their ``except`` as it would unwatched; the batch was handled as far as the step
+        ran (settled: a benign event). A value the watch judges later in the step (a loss before its backward, a
+        metric, a value inside a module's own code) is what their check may have raised on: a NaN loss, or the
+        model's guard on the batch's NaN, is the batch's event, not a handled batch."""
+        finding = self.finding
+        if finding is None:
             return None
-        if isinstance(exc, (StopIteration, StopAsyncIteration)) or raised_by_a_raise_statement(exc):
+        if ((isinstance(exc, (StopIteration, StopAsyncIteration)) or raised_by_a_raise_statement(exc))
+                and not nonfinite_beside(exc, finding.bad)):
             self.settle()
             return None
         try:
@@ -123,12 +132,20 @@ def raised_by_a_raise_statement(exc: BaseException, depth: int = 0) -> bool:
     """Whether ``exc`` was raised by a ``raise`` statement (an ``assert`` compiles to one) in the user's code: the
     innermost entry of its traceback is a user's frame stopped at that instruction, not at a call into an op that
     raised (``torch.multinomial`` on NaN probabilities stops at the call) nor inside library code; and so was the
-    error it was raised from or while handling, if any (``raise SamplingError() from error`` is the op's)."""
-    chained = exc.__cause__ or exc.__context__
-    if chained is not None and (depth > 8 or not raised_by_a_raise_statement(chained, depth + 1)):
+    error it was raised from or while handling, if any and shown (``raise SamplingError() from error`` is the op's;
+    after ``from None`` there is none), or that error is a ``KeyError`` of a subscript in the user's code (a
+    ``cfg["max_steps"]`` lookup: no op raises one)."""
+    chained = exc.__cause__ if exc.__cause__ is not None or exc.__suppress_context__ else exc.__context__
+    if chained is not None and (depth > 8 or not (raised_by_a_raise_statement(chained, depth + 1)
+                                                  or _stopped_at(chained, _SUBSCRIPT, KeyError))):
         return False
+    return _stopped_at(exc, _RAISE, BaseException)
+
+
+def _stopped_at(exc: BaseException, opcode: int, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is a ``kind`` whose traceback's innermost entry is a user's frame stopped at ``opcode``."""
     tb = exc.__traceback__
-    if tb is None:
+    if tb is None or not isinstance(exc, kind):
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
@@ -136,4 +153,48 @@ def raised_by_a_raise_statement(exc: BaseException, depth: int = 0) -> bool:
     if is_library_code(code):
         return False
     lasti = tb.tb_lasti
-    return 0 <= lasti < len(code.co_code) and code.co_code[lasti] == _RAISE
+    return 0 <= lasti < len(code.co_code) and code.co_code[lasti] == opcode
+
+
+def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
+    """Whether a local of a user's frame in ``exc``'s traceback (the loop's, a helper's, a model's own ``forward``)
+    holds a non-finite floating tensor or number other than ``batch`` and its views (sharing its storage), itself or
+    as an item of a list, tuple or dict it holds (a loss history): the value the user's own check may have raised on.
+    Asked only as a step with a held batch raises. (A value checked where no local holds it, ``if
+    torch.isnan(loss_fn(model(x), x)): raise``, is not seen: that batch is settled as handled.)"""
+    storage = _storage_of(batch) if batch is not None else None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+        if is_library_code(frame.f_code):
+            continue
+        for value in _with_items(list(frame.f_locals.values())):
+            if isinstance(value, float):
+                if not math.isfinite(value):
+                    return True
+            elif (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+                  and value.layout is torch.strided and value.device.type != "meta"
+                  and (storage is None or _storage_of(value) != storage)):
+                with torch.no_grad():
+                    if not bool(torch.isfinite(value.detach()).all()):
+                        return True
+    return False
+
+
+def _with_items(values: list[object]) -> list[object]:
+    """``values`` and the items of those that are lists, tuples or dicts (one level)."""
+    out = list(values)
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            out.extend(value)
+        elif isinstance(value, dict):
+            out.extend(value.values())
+    return out
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """The device and address of ``tensor``'s storage (a view shares its base's), or None where it has none."""
+    try:
+        return str(tensor.device), tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
