@@ -344,7 +344,9 @@ class OpTracer(OriginRules, TorchDispatchMode):
             return self._opaque(func, args, kwargs, in_backward)
         plan = plan_of(func)
         out = self._checked(func, plan, args, kwargs, in_backward)
-        if self.started:  # (only once an op made a non-finite value this step: what reached an op, reached.py)
+        if self.started and not in_backward:
+            # (only once an op made a non-finite value this step, and only the forward's: what reached an op, or a
+            # read into Python, reached.py; a backward's ops raise no user's error and read nothing of theirs)
             after_op(self, func, args, kwargs, out)
         # (A backward's ops are not followed: derived.py. An output that requires grad is model-derived by that
         # alone: an in-place op on one returns what it wrote.)
