@@ -18,7 +18,6 @@ benign mask's -inf starts none either): a truth test of a list an op.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -90,7 +89,7 @@ def _after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str
     # (our own reads of a bad value, a gradient hook's counts, are not the user's code reading it; nor the autograd
     # engine's own, anomaly mode's check of a backward's output)
     tracer.read_bad = origin.finding if origin is not None and func is _READ and not called_by_us() and (
-        torch._C._current_graph_task_id() in (-1, tracer.forward_task)) and _evidence(tracer, inputs[0], out) else None
+        torch._C._current_graph_task_id() in (-1, tracer.forward_task)) else None
     if origin is None:
         return
     made = next((found for value in inputs if (found := bad_origin(tracer, value)) is not None), None)
@@ -104,18 +103,6 @@ def _after_op(tracer: OpTracer, func: Any, args: Sequence[Any], kwargs: dict[str
             tracer.made_of[id(value)] = weakref.ref(value)
         elif not floating and tracer._origins.entry(value) is None:
             tracer._origins.note(value, origin)
-
-
-def _evidence(tracer: OpTracer, tensor: torch.Tensor, value: Any) -> bool:
-    """Whether a read into Python is one a raise may follow from: a truth value (the user's check,
-    ``isfinite(x).all()``, a distribution's validation), a non-finite number (``int(nan)``), or a number made of a
-    non-finite one (an index cast from a NaN); not a finite count or mean read for logging (``int(isnan(x).sum())``),
-    after which the user's own error two lines on is theirs."""
-    if tensor.dtype is torch.bool:
-        return True
-    if _floating(tensor):
-        return not (isinstance(value, (int, float)) and math.isfinite(value))
-    return (ref := tracer.made_of.get(id(tensor))) is not None and ref() is tensor
 
 
 def failed_ops(error: BaseException) -> Iterator[tuple[Any, list[torch.Tensor]]]:
