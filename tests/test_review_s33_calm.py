@@ -163,6 +163,38 @@ def test_a_nan_the_users_check_raised_on_is_the_batchs_event(name: str, mode: st
     assert not any(event.benign for event in watching.events), "the batch was called handled"
 
 
+class _Meter:
+    """An average meter as training scripts write it: the NaN loss is in its ``sum``, one attribute down."""
+
+    def __init__(self) -> None:
+        self.sum, self.n = 0.0, 0
+
+    def update(self, value: float) -> None:
+        self.sum += value
+        self.n += 1
+
+
+def _meter_checked(model: nn.Module) -> None:
+    meter = _Meter()
+    with torch.no_grad():
+        for b in _batches():
+            meter.update(F.mse_loss(model(b), b).item())
+            if math.isnan(meter.sum / meter.n):
+                raise FloatingPointError("average loss is nan")
+
+
+def _numpy_checked(model: nn.Module) -> None:
+    with torch.no_grad():
+        for b in _batches():
+            value = F.mse_loss(model(b), b).numpy()  # a 0-d numpy array
+            if value != value:
+                raise FloatingPointError("loss is nan")
+
+
+INCIDENTS.update({"meter_attribute": (AE, _meter_checked, FloatingPointError),
+                  "numpy_loss": (AE, _numpy_checked, FloatingPointError)})
+
+
 def _own_stop(model: nn.Module, variant: str) -> None:
     """The imputing model (a handled batch); at step 1 the loop stops on its own after a dict lookup fails."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -240,3 +272,35 @@ def test_a_nan_checked_where_no_local_holds_it(mode: str) -> None:
     watching = nan_magic.watch(model, **MODE_OPTIONS[mode])
     with pytest.raises(nan_magic.NonFiniteError), watching:
         _inline_checked(model)
+
+
+def _own_stop_beside(model: nn.Module, sentinel: str) -> None:
+    """The imputing model; the loop holds an infinity of its own (a best-loss sentinel, a deadline, a causal mask,
+    a tensor subclass that refuses reads) and stops itself at step 1."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    x[0, 0] = float("nan")
+    best = float("inf") if sentinel == "best" else 0.0
+    deadline = math.inf if sentinel == "deadline" else 10.0
+    mask = torch.full((4, 4), float("-inf")).triu(1) if sentinel == "mask" else None
+    for step in range(3):
+        loss = F.cross_entropy(model(x), y)
+        best = min(best, loss.item()) if step else best
+        if step == 1:
+            raise Budget(f"stop ({best}, {deadline}, {mask is not None})")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sentinel", ["best", "deadline", "mask"])
+def test_the_users_own_infinity_beside_a_handled_batch_leaves_their_stop_theirs(sentinel: str, mode: str) -> None:
+    # the first fix read any non-finite value in the loop's frames as what the user's check raised on: a best loss
+    # of float("inf"), a deadline of math.inf, a causal mask turned their own stop into a data report
+    torch.manual_seed(0)
+    model = Imputing()
+    watching = nan_magic.watch(model, **MODE_OPTIONS[mode])
+    with pytest.raises(Budget, match="stop"), watching:
+        _own_stop_beside(model, sentinel)
+    assert watching.report is None

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dis
 import math
+import numbers
 import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -158,10 +160,12 @@ def _stopped_at(exc: BaseException, opcode: int, kind: type[BaseException]) -> b
 
 def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
     """Whether a local of a user's frame in ``exc``'s traceback (the loop's, a helper's, a model's own ``forward``)
-    holds a non-finite floating tensor or number other than ``batch`` and its views (sharing its storage), itself or
+    holds a NaN, as a floating tensor or a number other than ``batch`` and its views (sharing its storage), itself or
     as an item of a list, tuple or dict it holds (a loss history): the value the user's own check may have raised on.
-    Asked only as a step with a held batch raises. (A value checked where no local holds it, ``if
-    torch.isnan(loss_fn(model(x), x)): raise``, is not seen: that batch is settled as handled.)"""
+    Only a NaN: a held batch is a NaN batch, and what it makes is NaN, where an infinity beside it is the user's own
+    sentinel (``best = float("inf")``, ``math.inf``, a causal mask's -inf). Asked only as a step with a held batch
+    raises. (A value checked where no local holds it, ``if torch.isnan(loss_fn(model(x), x)): raise``, is not seen:
+    that batch is settled as handled.)"""
     storage = _storage_of(batch) if batch is not None else None
     tb = exc.__traceback__
     while tb is not None:
@@ -169,27 +173,46 @@ def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
         if is_library_code(frame.f_code):
             continue
         for value in _with_items(list(frame.f_locals.values())):
-            if isinstance(value, float):
-                if not math.isfinite(value):
+            if type(value).__name__ == "ndarray" and getattr(value, "dtype", None) is not None:
+                try:  # (a numpy array, ``loss.numpy()``: read through a tensor that shares its memory)
+                    value = torch.as_tensor(value)
+                except Exception:
+                    continue
+            if isinstance(value, numbers.Real) and not isinstance(value, int):  # (a numpy float too: loss.numpy())
+                if math.isnan(float(value)):
                     return True
             elif (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
                   and value.layout is torch.strided and value.device.type != "meta"
                   and (storage is None or _storage_of(value) != storage)):
-                with torch.no_grad():
-                    if not bool(torch.isfinite(value.detach()).all()):
-                        return True
+                try:
+                    with torch.no_grad():
+                        if bool(torch.isnan(value.detach()).any()):
+                            return True
+                except Exception:
+                    continue
     return False
 
 
 def _with_items(values: list[object]) -> list[object]:
-    """``values`` and the items of those that are lists, tuples or dicts (one level)."""
+    """``values`` and, one level down, the items of those that are lists, tuples or dicts and the attributes of
+    those that are instances of a class (a running loss on ``self``, an ``AverageMeter``'s ``avg``); not of a
+    module, class or function (``np.nan`` is an attribute of numpy, not a value of the user's)."""
     out = list(values)
     for value in values:
         if isinstance(value, (list, tuple)):
             out.extend(value)
         elif isinstance(value, dict):
             out.extend(value.values())
+        elif (not isinstance(value, _NOT_INSTANCES) and isinstance(attributes := getattr(value, "__dict__", None), dict)
+              and len(attributes) <= _MOST_ATTRIBUTES):
+            out.extend(attributes.values())
     return out
+
+
+#: What holds attributes that are no values of the user's loop (``np.nan``, a class's constants).
+_NOT_INSTANCES = (types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+#: An object with more attributes than this is no meter or trainer state (bounded: asked at an exception exit).
+_MOST_ATTRIBUTES = 256
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[str, int] | None:
