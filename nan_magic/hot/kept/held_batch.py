@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.errors.frames import is_library_code
+from nan_magic.errors.frames import is_library_code, is_library_file
 from nan_magic.hot.kept.finding import Finding
 
 __all__ = ["HeldBatch", "nonfinite_beside", "raised_by_a_raise_statement"]
@@ -204,9 +204,16 @@ def _with_items(values: list[object]) -> list[object]:
         elif isinstance(value, dict):
             out.extend(value.values())
         elif (not isinstance(value, _NOT_INSTANCES) and isinstance(attributes := getattr(value, "__dict__", None), dict)
-              and len(attributes) <= _MOST_ATTRIBUTES):
+              and len(attributes) <= _MOST_ATTRIBUTES and _users_class(type(value))):
             out.extend(attributes.values())
     return out
+
+
+def _users_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in the user's code (a notebook's cell, their script), not a library's: a
+    DataLoader's iterator holds the whole dataset, NaN-coded samples and all, as an attribute."""
+    filename = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return filename is None or not is_library_file(filename)
 
 
 #: What holds attributes that are no values of the user's loop (``np.nan``, a class's constants).
