@@ -52,6 +52,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
         facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
     if isinstance(remedy, DomainFix):
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
+        if remedy.exponents:
+            facts += [("exponents", tuple(sorted(remedy.exponents)))]
     if isinstance(remedy, (StableFix, CorrectionFix)):
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, StableFix) and remedy.at_line is not None:  # (the edit fuses the op the trial did)

@@ -51,7 +51,7 @@ def suggested_edit(trial: FixTrial) -> str | None:
         tree = ast.parse(source.line.strip())
     except SyntaxError:
         return None
-    edit = _Edit(trial)
+    edit = _Edit(trial, tree)
     code = ast.unparse(edit.visit(tree))
     if not edit.done:
         return None
@@ -61,9 +61,26 @@ def suggested_edit(trial: FixTrial) -> str | None:
     return f"{name_location(source.filename, source.lineno)}: {code}"
 
 
-def _whole(node: ast.expr | None) -> bool:
-    """Whether ``node`` is a whole power written as a number (``2``, ``3.0``): a pow the eps trial leaves as it was."""
-    return isinstance(node, ast.Constant) and whole_power(node.value)
+def _whole(node: ast.expr | None, trial: FixTrial, written: set[float]) -> bool:
+    """Whether the pow of exponent ``node`` is one the eps trial left as it was: a whole power written as a number
+    (``2``, ``3.0``); or one held in a name (``** P``, a config's 2) where each exponent the trial clamped the base of
+    is written on the line as a number (``written``), so that this one is not among them."""
+    if isinstance(node, ast.Constant):
+        return whole_power(node.value)
+    clamped = trial.fact("exponents")
+    return node is not None and clamped is not None and set(clamped) <= written
+
+
+def _written_exponents(tree: ast.AST) -> set[float]:
+    """The exponents the line writes as numbers: ``x ** 0.5``, ``x.pow(0.5)``, ``torch.pow(x, 0.5)``."""
+    found: list[ast.expr | None] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            found.append(node.right)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pow":
+            found.append(_exponent(node))
+    return {float(node.value) for node in found if isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float)) and not isinstance(node.value, bool)}
 
 
 def _exponent(node: ast.Call) -> ast.expr | None:
@@ -106,8 +123,9 @@ _FUSED_LOGS = {"softmax": ("log_softmax", "torch.log_softmax"),
 class _Edit(ast.NodeTransformer):
     """Rewrites each call or operator of the line the remedy changed (see the module docstring)."""
 
-    def __init__(self, trial: FixTrial) -> None:
+    def __init__(self, trial: FixTrial, tree: ast.AST) -> None:
         self.trial = trial
+        self.written = _written_exponents(tree)
         self.done = False
         #: The calls made to compute in float32: their result needs no ``.float()``.
         self.upcast: set[int] = set()
@@ -126,7 +144,8 @@ class _Edit(ast.NodeTransformer):
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
             node.right = _denominator(node.right, self.trial)
             return self._mark(node)
-        if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow) and not _whole(node.right):
+        if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow) and not _whole(
+                node.right, self.trial, self.written):
             node.left = _method(node.left, "clamp_min", _eps(self.trial))
             return self._mark(node)
         return node
@@ -155,7 +174,7 @@ class _Edit(ast.NodeTransformer):
                     node.args[denominator] = _denominator(node.args[denominator], self.trial)
                     return self._mark(node)
                 return node
-            if function == "pow" and _whole(_exponent(node)):
+            if function == "pow" and _whole(_exponent(node), self.trial, self.written):
                 return node  # (x.pow(2): the trial left it as it was, domain.py)
             clamp = "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min"
             if method and name.endswith("_"):  # u.erfinv_(): u clamped in place first, as the trial did (domain.py)
@@ -280,9 +299,11 @@ def _eps(trial: FixTrial) -> ast.Constant:
 
 
 def _on_torch(node: ast.Call) -> bool:
-    """Whether a call is a function of torch's (``torch.div(x, n)``), not a method of a tensor (``x.div(n)``)."""
-    return isinstance(node.func, ast.Name) or (isinstance(node.func, ast.Attribute)
-                                               and ast.unparse(node.func.value) in ("torch", "torch.Tensor"))
+    """Whether a call of pow or div is a function of torch's (``torch.div(x, n)``), not a method of a tensor
+    (``x.div(n)``): on ``torch``, or given two operands (``th.pow(x, 2)``: torch imported under another name)."""
+    operands = len(node.args) + sum(keyword.arg in ("exponent", "other") for keyword in node.keywords)
+    return isinstance(node.func, ast.Name) or (isinstance(node.func, ast.Attribute) and (
+        ast.unparse(node.func.value) in ("torch", "torch.Tensor") or operands >= 2))
 
 
 #: The names a call's receiver has where it is a module of functions (``torch.exp``, ``F.linear``), not a tensor.

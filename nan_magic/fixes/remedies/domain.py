@@ -164,6 +164,9 @@ class DomainFix:
         #: learned scale at 0 under a sqrt): the clamp passes them no gradient, so they stay where they are, step
         #: after step (step.py names those whose every element behind it got none at all: frozen).
         self.behind: list[Behind] = []
+        #: The exponents, numbers, of the pows it clamped the base of (not the whole powers it left): the edit
+        #: clamps a pow whose exponent the line holds in a name only where these are not all written as numbers.
+        self.exponents: set[float] = set()
 
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
@@ -204,6 +207,9 @@ class DomainFix:
             return self._counted(func, args, kwargs, index) if self.function in ("div", "reciprocal") else None
         eps = torch.finfo(operand.dtype).eps
         self.eps, self.dtype = eps, str(operand.dtype).removeprefix("torch.")
+        if self.function == "pow" and isinstance(exponent := args[1] if len(args) > 1 else kwargs.get("exponent"),
+                                                 (int, float)):
+            self.exponents.add(float(exponent))
         low = eps if self.function in UNIT_FUNCTIONS else -1 + eps  # (logit's domain is (0, 1))
         if self.function in BOUNDED_FUNCTIONS:
             moved = operand.clamp(low, 1 - eps)
