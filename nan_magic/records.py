@@ -154,8 +154,7 @@ class Sample:
     posinf: int | None = None
     neginf: int | None = None
     zeros: int | None = None
-    #: Which tensor it samples: the producer's (its op's output and operands, its module's inputs and
-    #: output), or another layer's.
+    #: Which tensor it samples: the producer's (its op's output and operands, its module's inputs, output), another's.
     tensor: TensorRef | None = None
     #: The module whose call ``tensor`` is of, for another layer's sample and the producer module's output (``""``
     #: the root); None for the producer op's tensors and the loss. ``model``: another layer's model, as named.
@@ -282,9 +281,8 @@ class Report:
     module_output: tuple[TensorRef, TensorStats] | None = None
     #: The producer's inputs: the module call's arguments (role input) and the op's operands (role operand).
     input_stats: tuple[tuple[TensorRef, TensorStats], ...] = ()
-    #: ``(operand, value)``: the op's Python-number arguments (``logits / t`` with ``t = 0.0`` from a config:
-    #: ``(("other", 0.0),)``; a backward op's only where not finite: autograd's own are finite); its tensors'
-    #: stats do not show them.
+    #: ``(operand, value)``: the op's Python-number arguments (``logits / t``, ``t = 0.0`` from a config: ``(("other",
+    #: 0.0),)``; a backward op's only where not finite: autograd's own are finite); its tensors' stats lack them.
     numbers: tuple[tuple[str, float], ...] = ()
     layers: tuple[LayerCall, ...] = ()
     layers_dropped: int = 0
@@ -306,14 +304,16 @@ class Report:
     absorbed: AbsorbedOp | None = None
     #: For a backward op, the autograd node that ran it (``"SqrtBackward0"``), else None.
     autograd_node: str | None = None
-    #: The class of the optimizer whose step made the value non-finite (``"Adam"``), or that was
-    #: about to step with the non-finite gradient; None where no optimizer was involved.
+    #: The class of the optimizer whose step made the value non-finite (``"Adam"``), or that was about to step with
+    #: the non-finite gradient; None where no optimizer was involved.
     optimizer: str | None = None
-    #: That optimizer's ``eps`` and learning rate for the parameter (its parameter group's), where it has them.
+    #: That optimizer's ``eps`` and learning rate for the parameter (its parameter group's), where it has them; the
+    #: eps its class defaults to (of torch's class it derives from: a ``WarmAdagrad(Adagrad)``'s 1e-10), if any.
     optimizer_eps: float | None = None
+    optimizer_default_eps: float | None = None
     optimizer_lr: float | None = None
-    #: ``(lr, weight_decay)`` of the watched optimizers' parameter group whose product is largest, read at the event
-    #: (a decay of 5e4 typed for 5e-4 scales the weights by 1 - lr * weight_decay each step); None where none decays.
+    #: ``(lr, weight_decay)`` of the watched optimizers' group whose product is largest, read at the event (a decay
+    #: of 5e4 typed for 5e-4 scales the weights by 1 - lr * weight_decay a step); None where none decays.
     optimizer_decay: tuple[float, float] | None = None
     #: The rank of the process that found the event and the size of its process group
     #: (``torch.distributed``); None outside a process group.

@@ -10,8 +10,6 @@ overflowed.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from nan_magic.explain.evidence import HALF, dtype_max, float_dtype
@@ -63,7 +61,7 @@ def optimizer_cause(report: Report) -> Cause:
     if _eps_vanishes(report.optimizer_eps, report.dtype) and (divides or op_function(report.op) in _EPS_OPS):
         if report.optimizer_eps == 0.0:
             return Cause("optimizer-eps-underflow", "optimizer-eps-zero",
-                         (*facts, ("default_eps", _default_eps(report.optimizer))))
+                         (*facts, ("default_eps", report.optimizer_default_eps)))
         found = float_dtype(report.dtype) or torch.float16
         smallest = torch.finfo(found).smallest_normal * torch.finfo(found).eps  # the smallest subnormal
         return Cause("optimizer-eps-underflow", "optimizer-eps-rounds", (*facts, ("smallest", smallest)))
@@ -88,16 +86,3 @@ def _eps_vanishes(eps: float | None, dtype: str | None) -> bool:
         return True
     found = float_dtype(dtype)
     return found is not None and float(torch.tensor(eps, dtype=found)) == 0
-
-
-def _default_eps(optimizer: str | None) -> float | None:
-    """The eps torch's optimizer of that name defaults to (Adagrad's 1e-10, Adadelta's 1e-6, Adam's 1e-8), or None
-    for an optimizer torch.optim does not hold (the hint then names Adam's)."""
-    found = getattr(torch.optim, optimizer or "", None)
-    if not isinstance(found, type):
-        return None
-    try:
-        default = inspect.signature(found).parameters["eps"].default
-    except (KeyError, TypeError, ValueError):
-        return None
-    return float(default) if isinstance(default, (int, float)) and default > 0 else None

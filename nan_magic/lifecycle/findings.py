@@ -157,6 +157,7 @@ def build_report(
         autograd_node=finding.autograd_node,
         optimizer=finding.optimizer,
         optimizer_eps=finding.optimizer_eps,
+        optimizer_default_eps=finding.optimizer_default_eps,
         optimizer_lr=finding.optimizer_lr,
         optimizer_decay=largest_decay(optimizers),
         ops=ops,

@@ -20,7 +20,7 @@ from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
-from nan_magic.hot.checks.step_layout import StepResult, group_eps
+from nan_magic.hot.checks.step_layout import StepResult, default_eps, group_eps
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
@@ -131,6 +131,7 @@ class StepReports:
             optimizer = type(result.optimizer).__name__
             finding.optimizer = optimizer
             finding.optimizer_eps = group_eps(result.optimizer, tensor)
+            finding.optimizer_default_eps = default_eps(type(result.optimizer))
             finding.optimizer_lr = lr
             if finding.tensor.role is TensorRole.OPTIMIZER_STATE and label.role is TensorRole.PARAMETER:
                 finding.notes.append(Note.of("state-already-nonfinite", tensor=subject, optimizer=optimizer,

@@ -20,6 +20,7 @@ gradient applied (``on_detect="warn"``) gets the full check every step.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -152,6 +153,22 @@ class Layout:
 def group_eps(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:
     """The ``eps`` of the parameter group holding ``tensor`` (of every group, for a state tensor, where they agree)."""
     return _group_number(opt, tensor, "eps")  # Adafactor's is a pair: no single eps
+
+
+def default_eps(optimizer: type) -> float | None:
+    """The eps the optimizer's class defaults to (Adagrad's 1e-10, Adadelta's 1e-6, Adam's 1e-8): its own
+    constructor's, else that of the first class it derives from that gives one (``WarmAdagrad(Adagrad)``, whose
+    ``__init__`` takes ``**kwargs``); None where none gives a positive number. Read at an event only."""
+    for cls in optimizer.__mro__:
+        if "__init__" not in vars(cls) or cls is torch.optim.Optimizer:
+            continue
+        try:
+            default = inspect.signature(vars(cls)["__init__"]).parameters["eps"].default
+        except (KeyError, TypeError, ValueError):
+            continue
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and default > 0:
+            return float(default)
+    return None
 
 
 def group_lr(opt: torch.optim.Optimizer, tensor: torch.Tensor) -> float | None:

@@ -83,6 +83,7 @@ class Finding:
     autograd_node: str | None = None
     optimizer: str | None = None
     optimizer_eps: float | None = None
+    optimizer_default_eps: float | None = None
     optimizer_lr: float | None = None
     # A model output's gradient blamed on the code outside the models without that code's replay
     # confirming it: a model's replay may still find the producer (localize/replay/tiered/step.py).
