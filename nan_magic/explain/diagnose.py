@@ -277,12 +277,9 @@ def _backward(report: Report) -> Cause:
         cause = forward_cause(report)
         if cause.label != "unclassified":
             return cause
-    if report.op is not None and report.op_inputs and (cause := forward_cause(report)).label != "unclassified":
-        # Loop code between backward() and the step wrote the gradient (a rescale), or a node with no pole ran an
-        # op whose operands say why (a division by a zero norm in a double backward, ``MmBackward0``'s): the
-        # operands, read as forward code's are. (The node is known or not by how the check met it: the immediate
-        # watch's live trace names it, the deferred check's replay may not; the reading must not depend on it.)
-        return cause
+    if node is None and report.op is not None and report.op_inputs and (
+            cause := forward_cause(report)).label != "unclassified":
+        return cause  # loop code between backward() and the step wrote the gradient (a rescale): its operands say why
     return event_cause("unclassified", "backward-unmatched", report)
 
 

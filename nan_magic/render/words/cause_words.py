@@ -19,6 +19,7 @@ from nan_magic.plain import from_plain
 from nan_magic.records import Cause, Phase, Report, TensorRef, TensorRole, TensorStats, module_label
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.operands import operand_names, written_line
+from nan_magic.tensor_refs import op_function
 
 __all__ = [
     "Reading",
@@ -187,13 +188,16 @@ def input_named(report: Report, zeros: int, negatives: int) -> str:
     The module's own input is the name the user knows; the op's ``self`` is
     named when no module input matches (the op ran on an intermediate value).
     """
+    # xlogy(x, y) = x * log(y): the log's operand is ``other`` (y); ``self`` (x) only multiplies.
+    domain, multiplier = ("other", "self") if report.op and op_function(report.op) == "xlogy" else ("self", None)
     matching = [
         ref for ref, stats in report.input_stats
         if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite
+        and not (ref.role is TensorRole.OPERAND and ref.name == multiplier)
     ]
     for ref in sorted(matching, key=lambda ref: not ref.is_argument):
         return _as_written(report, ref)
-    selfs = [ref for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name == "self"]
+    selfs = [ref for ref, _stats in report.input_stats if ref.role is TensorRole.OPERAND and ref.name == domain]
     if selfs:
         return _as_written(report, selfs[0])
     return f"the input of {report.op} in {where(report)}"

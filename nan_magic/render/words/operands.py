@@ -6,7 +6,11 @@ engine does not know the user's expressions, so they are derived here from
 the text of the producer's line, and only where that is unambiguous: the
 line parses on its own and holds exactly one expression that can have run
 the op (one ``/`` for ``aten.div``, one ``log(...)`` call for
-``aten.log``). Anything else keeps the schema names.
+``aten.log``), counting every form that runs it (``/``, ``torch.div``,
+``x.div_``), and no other call that may run it inside (``F.normalize``
+divides, so may a user's function). An op in the backward phase ran on no
+line of the user's (save a custom Function's backward). Anything else keeps
+the schema names: a wrong name is worse than the schema's.
 
 Stdlib only (the text report uses it).
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Collection
 
-from nan_magic.records import Report, TensorRef, TensorRole
+from nan_magic.records import Phase, Report, TensorRef, TensorRole
 from nan_magic.tensor_refs import op_function
 
 #: aten op base name -> the Python operator that runs it.
@@ -25,6 +29,33 @@ _OPERATORS: dict[str, type[ast.operator]] = {
     "sub": ast.Sub, "mm": ast.MatMult, "bmm": ast.MatMult, "matmul": ast.MatMult,
     "pow": ast.Pow, "remainder": ast.Mod, "floor_divide": ast.FloorDiv,
 }
+#: aten op base name -> every function or method name that runs it (the in-place ones add ``_``).
+_CALLED: dict[str, tuple[str, ...]] = {
+    "div": ("div", "divide", "true_divide", "floor_divide"), "true_divide": ("div", "divide", "true_divide"),
+    "floor_divide": ("div", "divide", "floor_divide"), "mul": ("mul", "multiply"), "sub": ("sub", "subtract"),
+    "mm": ("mm", "matmul"), "bmm": ("bmm", "matmul"), "matmul": ("mm", "bmm", "matmul"),
+    "remainder": ("remainder", "fmod"), "pow": ("pow", "float_power", "square"),
+}
+#: Python operators that run the division ops (``a // b`` runs ``aten.div.Tensor_mode``).
+_DIVISIONS = (ast.Div, ast.FloorDiv)
+#: Calls that run one op and no other inside (a sum, a view, a cast): a line may hold them around the op it names.
+#: Any other call (``F.normalize``, a module, a user's function) may run the op itself, and then the line does not
+#: say which expression ran it.
+_PLAIN_CALLS = frozenset({
+    "sum", "mean", "abs", "clamp", "clamp_min", "clamp_max", "clip", "exp", "expm1", "log", "log1p", "log2", "log10",
+    "sqrt", "rsqrt", "norm", "float", "double", "half", "bfloat16", "int", "long", "bool", "to", "type_as", "detach",
+    "clone", "contiguous", "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "flatten", "transpose",
+    "permute", "t", "expand", "expand_as", "repeat", "max", "min", "amax", "amin", "maximum", "minimum", "neg",
+    "relu", "sigmoid", "tanh", "softmax", "log_softmax", "cat", "stack", "ones_like", "zeros_like", "full_like",
+    "ones", "zeros", "full", "tensor", "as_tensor", "arange", "len", "range", "masked_fill", "where", "gather",
+    "index_select", "sign", "floor", "ceil", "round", "trunc", "lgamma", "digamma", "erf", "cumsum", "prod",
+    "square", "pow", "mul", "add", "sub", "matmul", "mm", "bmm", "eye", "diag", "diagonal", "xlogy", "acos", "asin",
+    "acosh", "atanh", "atan2", "hypot", "sin", "cos", "reciprocal", "item", "numel", "size", "dim", "chunk", "split",
+    "narrow", "select", "fill_", "zero_", "any", "all", "isfinite", "isnan", "cumprod", "flip", "roll",
+    "backward",  # (runs backward-phase ops only, and no name is read for those)
+})
+#: Ops whose second argument is a binary op's right operand when written as a call (``torch.div(a, b)``).
+_BINARY_CALLS = frozenset(_OPERATORS) | {"xlogy", "atan2", "hypot", "fmod"}
 #: Schema names of a binary op's right operand.
 _RIGHT = ("other", "mat2", "exponent")
 
@@ -39,7 +70,11 @@ def written_line(report: Report) -> str | None:
     """
     if report.source is None:
         return None
-    if report.autograd_node is not None and any(note.kind == "autograd-backward" for note in report.note_facts):
+    if report.phase is Phase.BACKWARD and not any(note.kind == "python-backward" for note in report.note_facts):
+        # The deferred check's replay may name no node: the line reported is then still the forward's, whose
+        # ``v / n`` is not the backward's division (the phase says so, node or none).
+        return None
+    if any(note.kind == "autograd-backward" for note in report.note_facts):
         return None
     return report.source.line
 
@@ -61,17 +96,21 @@ def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
         return None
     base = op_function(op)
     operator = _OPERATORS.get(base)
-    if operator is not None:
-        found: list[ast.AST] = [
-            node for node in ast.walk(tree)
-            if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, operator)
-        ]
-    else:
-        found = [
-            node for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and _called_name(node) == base
-        ]
-    return (text, found[0]) if len(found) == 1 else None
+    operators: tuple[type[ast.operator], ...] = (
+        _DIVISIONS if operator in _DIVISIONS else () if operator is None else (operator,))
+    names = {base, *_CALLED.get(base, ())}
+    names |= {f"{name}_" for name in names}
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    found: list[ast.AST] = [
+        node for node in ast.walk(tree)
+        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, operators)
+    ]
+    found += [call for call in calls if _called_name(call) in names]
+    if len(found) != 1:
+        return None
+    if any(call is not found[0] and _called_name(call) not in _PLAIN_CALLS for call in calls):
+        return None  # a call that may run the op inside (F.normalize divides): the line does not say which ran it
+    return text, found[0]
 
 
 def op_expression(op: str | None, line: str | None) -> str:
@@ -110,15 +149,18 @@ def operand_names(op: str | None, line: str | None, tensors: Collection[str] | N
         names.update({name: _segment(text, right) for name in _RIGHT})
         return {key: value for key, value in names.items() if value}
     assert isinstance(node, ast.Call)
-    # torch.log(x) names its operand as the first argument, x.log() as the receiver.
+    # torch.log(x) names its operand as the first argument, x.log() as the receiver; torch.div(a, b) and a.div(b)
+    # name the right operand next (xlogy(x, y)'s log operand is ``other``, y).
     if node.args and not _is_method_on_value(node):
-        subject: ast.expr = node.args[0]
+        arguments: list[ast.expr] = list(node.args)
     elif isinstance(node.func, ast.Attribute) and _is_method_on_value(node):
-        subject = node.func.value
+        arguments = [node.func.value, *node.args]
     else:
         return {}
-    segment = _segment(text, subject)
-    return {"self": segment} if segment else {}
+    names = {"self": _segment(text, arguments[0])}
+    if op_function(op) in _BINARY_CALLS and len(arguments) > 1 and not isinstance(arguments[1], ast.Starred):
+        names.update({name: _segment(text, arguments[1]) for name in _RIGHT})
+    return {key: value for key, value in names.items() if value}
 
 
 #: Ops Python reaches from either side of a number (``__rmul__``, ``__radd__``), with the tensor as ``self``.
