@@ -21,7 +21,8 @@ MODES = [{}, {"defer": True}, {"mode": "full"}, {"ops": True}, {"ops": True, "de
 IDS = ["default", "defer", "full", "ops", "ops-defer"]
 _LOGGED = ("a count of the NaNs a where replaced, logged into Python (int(isnan(raw).sum())), then the user's "
            "unrelated error: read as their check of the NaN, reported naming the discarded log (every mode where the "
-           "forward raised; under ops at the loop's next line too); nothing yet tells a logged count from a checked one")
+           "forward raised; under ops at the loop's next line too); nothing yet tells a logged count from a checked "
+           "one")
 
 
 def _logged(modes: list[dict] = MODES) -> list:
