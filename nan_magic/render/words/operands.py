@@ -154,6 +154,8 @@ def operand_names(op: str | None, line: str | None, tensors: Collection[str] | N
     if node.args and not _is_method_on_value(node):
         arguments: list[ast.expr] = list(node.args)
     elif isinstance(node.func, ast.Attribute) and _is_method_on_value(node):
+        if isinstance(node.func.value, ast.Name) and len(node.args) >= (2 if op_function(op) in _BINARY_CALLS else 1):
+            return {}  # (``th.div(a, b)``, ``th.log(x)``: torch under another name, not a tensor's method: not said)
         arguments = [node.func.value, *node.args]
     else:
         return {}
