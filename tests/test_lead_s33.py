@@ -72,3 +72,40 @@ def test_a_nan_coded_dataset_the_loop_holds_leaves_the_users_own_stop_theirs(opt
             loss.backward()
             opt.step()
     assert watching.report is None
+
+
+_P = 2
+
+
+def _root_of_inverse_p(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return ((a - b) ** _P).sum(-1) ** (1 / _P)
+
+
+def _root_of_half(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return ((a - b) ** _P).sum(-1) ** 0.5
+
+
+@pytest.mark.parametrize("options", MODES[:3], ids=IDS[:3])  # (ops modes run no eps trial at a loss-code pow)
+@pytest.mark.parametrize(("distance", "edit"), [
+    (_root_of_half, "((a - b) ** _P).sum(-1).clamp_min(1.2e-07) ** 0.5"),
+    (_root_of_inverse_p, None),
+], ids=["half", "inverse-p"])
+def test_the_edit_of_a_pow_trial_is_the_pow_it_ran_or_none(options: dict, distance, edit: str | None) -> None:
+    # a contrastive distance at a duplicate pair: the trial clamps the root's base only; ``** (1 / P)`` is no number
+    # on the line, so the edit clamped (a - b) too (every negative difference to eps: not what the trial ran)
+    from nan_magic.render.edits import suggested_edit
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    lefts, rights = torch.randn(4, 6), torch.randn(4, 6)
+    rights[1] = lefts[1]
+    same = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        out = model(torch.cat([lefts, rights]))
+        d = distance(out[:4], out[4:])
+        ((same * d**2 + (1 - same) * torch.relu(1.0 - d) ** 2).mean() / 2).backward()
+        opt.step()
+    trial = next(t for t in caught.value.report.fixes if t.kind == "eps")
+    assert trial.finite
+    written = suggested_edit(trial)
+    assert (written.split(": ", 1)[1].strip() if written else None) == (f"return {edit}" if edit else None)
