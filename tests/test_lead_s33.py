@@ -109,3 +109,17 @@ def test_the_edit_of_a_pow_trial_is_the_pow_it_ran_or_none(options: dict, distan
     assert trial.finite
     written = suggested_edit(trial)
     assert (written.split(": ", 1)[1].strip() if written else None) == (f"return {edit}" if edit else None)
+
+
+@pytest.mark.parametrize(("line", "names"), [
+    ("logits = model(xs[step]) / tau", {"self": "model(xs[step])", "other": "tau"}),
+    ("loss = criterion(net(x), y) / accum_steps", {"self": "criterion(net(x), y)", "other": "accum_steps"}),
+    ("z = normalize(h) / tau", {}),  # (torch's F.normalize imported bare: it divides at this line)
+    ("z = self.head(h) / tau", {}),  # (a submodule's call: which division ran is not said by the line)
+])
+def test_the_users_model_called_by_a_bare_name_runs_no_op_at_the_line(line: str, names: dict) -> None:
+    # the review's strict rule (any call but a plain one names nothing) lost `tau` in `model(x) / tau`, the
+    # temperature row's hint read "it divided by `other` = 1e-24": a bare name's call is the user's callable (a
+    # model, a criterion, a function), whose ops ran on their own lines, not this one
+    found = operand_names("aten.div.Tensor", line)
+    assert {key: found.get(key) for key in ("self", "other")} == {**{"self": None, "other": None}, **names}
