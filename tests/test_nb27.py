@@ -197,9 +197,9 @@ def test_a_learning_rate_blow_up_is_the_learning_rate_and_the_overflow_of_the_lo
     # Two steps suffice to see the explosion (diagnose.EXPLOSION_FACTOR); how it overflowed is the evidence.
     assert "Likely cause: learning-rate-too-high." in text and "lower the learning rate" in text, text
     assert "then: overflow: loss of aten.mse_loss.default" in text, text
-    # The loss's operand is never the module path the function was called by. (Nor, since the review of session 33,
-    # `net(bx)`: a line that calls anything else that may run the op inside names no operand; its schema name stays.)
-    assert "\n              self: f32[32,1]" in text and "nn.functional (self)" not in text, text
+    # The loss's operand is the model's output, as written, not the module path the function was called by (a call
+    # of the user's model by a bare name runs no op at this line: its ops are the model's).
+    assert "net(bx) (self): f32[32,1]" in text and "nn.functional (self)" not in text, text
 
 
 def test_debug_locals_of_a_cells_top_level_are_the_ones_the_cell_names(nb: Any) -> None:

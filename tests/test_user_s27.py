@@ -94,9 +94,9 @@ def test_a_zero_0d_divisor_is_said_in_words_not_as_an_empty_shape() -> None:
     with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, fixes=False):
         (((model(torch.randn(8, 4)) - y) ** 2).mean() / (y - 2.0).abs().mean()).backward()
     hint = caught.value.report.cause.hint
-    # (since session 33 the divisor is named as the line writes it where the line says it for certain; this line also
-    # calls model(...), which may divide inside, so the schema name stays: test_review_s33_defer_user.py)
-    assert "divided by zero (`other`, a single number, was 0), giving 1 inf (x/0)" in hint, hint
+    # (since session 33 the divisor is named as the line writes it where the line says it for certain; the model
+    # called by a bare name on the line runs no op at this line: its ops are the model's)
+    assert "divided by zero (`(y - 2.0).abs().mean()`, a single number, was 0), giving 1 inf (x/0)" in hint, hint
     assert "` ()" not in hint
 
 

@@ -53,7 +53,7 @@ def suggested_edit(trial: FixTrial) -> str | None:
         return None
     edit = _Edit(trial, tree)
     code = ast.unparse(edit.visit(tree))
-    if not edit.done:
+    if not edit.done or edit.unsure:
         return None
     regions = trial.fact("autocast") or ()
     if trial.kind == "float32" and regions:
@@ -126,9 +126,23 @@ class _Edit(ast.NodeTransformer):
     def __init__(self, trial: FixTrial, tree: ast.AST) -> None:
         self.trial = trial
         self.written = _written_exponents(tree)
+        #: The line's pows: with more than one, a base clamped under an exponent no fact decides is not the edit the
+        #: trial ran (``((a - b) ** P).sum(-1) ** (1 / P)``: the trial clamped the root's base only): no edit.
+        self.pows = sum((isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "pow")
+            for node in ast.walk(tree))
+        self.unsure = False
         self.done = False
         #: The calls made to compute in float32: their result needs no ``.float()``.
         self.upcast: set[int] = set()
+
+    def _undecided(self, exponent: ast.expr | None) -> bool:
+        """Whether no fact says if the trial clamped the base of this pow: an exponent that is no number on the
+        line (``** (1 / P)``), with more pows on the line, and a number the trial clamped under that is not
+        written there (a tensor exponent's trial records none: every such pow was clamped)."""
+        clamped = self.trial.fact("exponents")
+        return (self.pows > 1 and not isinstance(exponent, ast.Constant) and bool(clamped)
+                and not set(clamped) <= self.written)
 
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
@@ -146,6 +160,7 @@ class _Edit(ast.NodeTransformer):
             return self._mark(node)
         if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow) and not _whole(
                 node.right, self.trial, self.written):
+            self.unsure |= self._undecided(node.right)
             node.left = _method(node.left, "clamp_min", _eps(self.trial))
             return self._mark(node)
         return node
@@ -176,6 +191,8 @@ class _Edit(ast.NodeTransformer):
                 return node
             if function == "pow" and _whole(_exponent(node), self.trial, self.written):
                 return node  # (x.pow(2): the trial left it as it was, domain.py)
+            if function == "pow":
+                self.unsure |= self._undecided(_exponent(node))
             clamp = "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min"
             if method and name.endswith("_"):  # u.erfinv_(): u clamped in place first, as the trial did (domain.py)
                 clamp += "_"

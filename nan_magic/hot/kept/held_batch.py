@@ -167,6 +167,9 @@ def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
     raises. (A value checked where no local holds it, ``if torch.isnan(loss_fn(model(x), x)): raise``, is not seen:
     that batch is settled as handled.)"""
     storage = _storage_of(batch) if batch is not None else None
+    # (a loss, a metric, an activation the user's guard reads: a few times the batch at most; a NaN-coded dataset the
+    # loop holds, as a tensor, an array or a Dataset's attribute, is many batches, and its NaN is no evidence)
+    largest = _WIDEST * batch.numel() if batch is not None else None
     tb = exc.__traceback__
     while tb is not None:
         frame, tb = tb.tb_frame, tb.tb_next
@@ -183,7 +186,8 @@ def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
                     return True
             elif (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
                   and value.layout is torch.strided and value.device.type != "meta"
-                  and (storage is None or _storage_of(value) != storage)):
+                  and (storage is None or _storage_of(value) != storage)
+                  and (largest is None or value.numel() <= largest)):
                 try:
                     with torch.no_grad():
                         if bool(torch.isnan(value.detach()).any()):
@@ -191,6 +195,10 @@ def nonfinite_beside(exc: BaseException, batch: torch.Tensor | None) -> bool:
                 except Exception:
                     continue
     return False
+
+
+#: How many times the batch's elements a value the user's check reads may hold (a hidden layer's activations).
+_WIDEST = 16
 
 
 def _with_items(values: list[object]) -> list[object]:

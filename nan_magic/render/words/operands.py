@@ -18,6 +18,7 @@ Stdlib only (the text report uses it).
 from __future__ import annotations
 
 import ast
+import builtins
 from collections.abc import Collection
 
 from nan_magic.records import Phase, Report, TensorRef, TensorRole
@@ -52,8 +53,23 @@ _PLAIN_CALLS = frozenset({
     "square", "pow", "mul", "add", "sub", "matmul", "mm", "bmm", "eye", "diag", "diagonal", "xlogy", "acos", "asin",
     "acosh", "atanh", "atan2", "hypot", "sin", "cos", "reciprocal", "item", "numel", "size", "dim", "chunk", "split",
     "narrow", "select", "fill_", "zero_", "any", "all", "isfinite", "isnan", "cumprod", "flip", "roll",
+    "randn", "rand", "randint", "randn_like", "rand_like", "randint_like", "empty", "empty_like", "linspace",
     "backward",  # (runs backward-phase ops only, and no name is read for those)
 })
+#: Python's builtins (``sum(losses) / n`` adds at this line) and torch's functions that divide, imported bare
+#: (``from torch.nn.functional import normalize``): calls by a bare name that may run an op at the caller's line.
+_BARE_RUNNERS = frozenset(dir(builtins)) | {
+    "normalize", "cosine_similarity", "pairwise_distance", "cdist", "layer_norm", "group_norm", "batch_norm",
+    "instance_norm", "local_response_norm", "rms_norm", "softmax", "log_softmax", "div", "divide", "true_divide"}
+
+
+def _users_callable(call: ast.Call) -> bool:
+    """A call by a bare name that is no builtin nor one of torch's dividing functions: the user's model
+    (``model(x) / tau``), criterion or function, whose ops ran on their own lines (a module's are the module's, a
+    function's at its lines), not at this one."""
+    return isinstance(call.func, ast.Name) and call.func.id not in _BARE_RUNNERS
+
+
 #: Ops whose second argument is a binary op's right operand when written as a call (``torch.div(a, b)``).
 _BINARY_CALLS = frozenset(_OPERATORS) | {"xlogy", "atan2", "hypot", "fmod"}
 #: Schema names of a binary op's right operand.
@@ -108,7 +124,8 @@ def op_node(op: str | None, line: str | None) -> tuple[str, ast.AST] | None:
     found += [call for call in calls if _called_name(call) in names]
     if len(found) != 1:
         return None
-    if any(call is not found[0] and _called_name(call) not in _PLAIN_CALLS for call in calls):
+    if any(call is not found[0] and _called_name(call) not in _PLAIN_CALLS and not _users_callable(call)
+           for call in calls):
         return None  # a call that may run the op inside (F.normalize divides): the line does not say which ran it
     return text, found[0]
 
@@ -154,6 +171,8 @@ def operand_names(op: str | None, line: str | None, tensors: Collection[str] | N
     if node.args and not _is_method_on_value(node):
         arguments: list[ast.expr] = list(node.args)
     elif isinstance(node.func, ast.Attribute) and _is_method_on_value(node):
+        if isinstance(node.func.value, ast.Name) and len(node.args) >= (2 if op_function(op) in _BINARY_CALLS else 1):
+            return {}  # (``th.div(a, b)``, ``th.log(x)``: torch under another name, not a tensor's method: not said)
         arguments = [node.func.value, *node.args]
     else:
         return {}
