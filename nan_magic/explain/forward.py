@@ -2,7 +2,7 @@
 
 :func:`forward_cause` picks the rule by the op (diagnose.py calls it for
 phase ``forward``); each rule reads the op's inputs as the report holds them
-and says which reading of the event they show (render/words/cause_ops.py writes it).
+and says which reading of the event they show (render/words/causes/forward_ops.py writes it).
 """
 
 from __future__ import annotations
