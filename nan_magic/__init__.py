@@ -86,8 +86,8 @@ class _Views:
     html = staticmethod(_lazy("nan_magic.render.html", "render_html"))
     mimebundle = staticmethod(_lazy("nan_magic.render.display", "mimebundle"))
     restore = staticmethod(_lazy("nan_magic.scene.last_good", "restore"))
-    cause_hint = staticmethod(_lazy("nan_magic.render.words.cause", "cause_hint"))
-    cause_evidence = staticmethod(_lazy("nan_magic.render.words.cause", "cause_evidence"))
+    cause_hint = staticmethod(_lazy("nan_magic.render.words.causes.readings", "cause_hint"))
+    cause_evidence = staticmethod(_lazy("nan_magic.render.words.causes.readings", "cause_evidence"))
     warning_message = staticmethod(_lazy("nan_magic.render.words.warning_words", "warning_text"))
     sample_label = staticmethod(sample_label)
 

@@ -6,6 +6,8 @@
 * :func:`jupyterlab` starts JupyterLab on 127.0.0.1 with throw-away config
   and data dirs; :func:`chromium_page` drives headless Chromium through
   Playwright with every request not to 127.0.0.1 aborted.
+* :func:`walk_fixtures` gives a walk's browser tests their ``lab`` and
+  ``page`` fixtures.
 * :func:`chromium_or_skip` skips a browser test when Chromium or Playwright
   is missing, and fails it instead when ``REQUIRE_BROWSER=1`` (CI sets it),
   so a CI run can never go green by skipping.
@@ -162,6 +164,24 @@ def named_cell(nb: Any, name: str) -> Any:
 def widget_states(nb: Any) -> dict[str, Any]:
     """Every stored widget model of an executed notebook, by model id."""
     return dict(nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"])
+
+
+def short_error(cell: Any) -> list[str]:
+    """The lines of the cell's error output: what stands under the cell above the report."""
+    (error,) = [output for output in cell.outputs if output.output_type == "error"]
+    assert error.ename == "NonFiniteError"
+    return cell_text(type(cell)(outputs=[error])).splitlines()
+
+
+def report_text(cell: Any) -> str:
+    """The report's text as a frontend without widgets shows it (the static twin's text/plain)."""
+    return "\n".join(output.data["text/plain"] for output in cell.outputs
+                     if output.output_type == "display_data" and "text/html" in output.data)
+
+
+def one_line_usage_error(cell: Any, start: str) -> None:
+    (usage,) = cell_text(cell).strip().splitlines()
+    assert usage.startswith(start), usage
 
 
 # -- browser level -------------------------------------------------------------------
@@ -367,6 +387,24 @@ def screenshot_page(test_name: str) -> Iterator[Any]:
     with chromium_page(chromium_or_skip()) as browser_page:
         yield browser_page
         browser_page.screenshot(path=str(ARTIFACTS / f"{test_name}-page.png"))
+
+
+def walk_fixtures(walk: Path, names: tuple[str, ...]) -> tuple[Any, Any]:
+    """A walk's browser fixtures, ``lab, page = walk_fixtures(WALK, names)`` in its test module: ``lab``, one
+    JupyterLab a module serving copies of ``names`` (:func:`lab_with`), and ``page``, a Chromium page a test, its
+    screenshot kept (:func:`screenshot_page`)."""
+
+    @pytest.fixture(scope="module", name="lab")
+    def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
+        with lab_with(walk, names, tmp_path_factory) as server:
+            yield server
+
+    @pytest.fixture(name="page")
+    def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
+        with screenshot_page(request.node.name) as browser_page:
+            yield browser_page
+
+    return lab, page
 
 
 def report_widget(page: Any) -> Any:

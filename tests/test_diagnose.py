@@ -151,7 +151,7 @@ def test_log_of_negatives() -> None:
     assert_cause(raised(run, model, mode="full"), "log-domain", "17 negatives in input[0] of 1 (LogLayer)",
                  "log_softmax")
     # The tiered default's replay names the module's own input too, as mode="full" does (since round 21: the op's
-    # finding holds the producer call's arguments): the name the user knows (cause_words.input_named).
+    # finding holds the producer call's arguments): the name the user knows (causes/phrases.input_named).
     model, run = _fault("log_negative").build()
     assert_cause(raised(run, model), "log-domain", "17 negatives in input[0] of 1 (LogLayer)", "log_softmax")
 

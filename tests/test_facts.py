@@ -25,7 +25,7 @@ from nan_magic.explain.evidence import event, event_cause, plain_cause
 from nan_magic.plain import from_plain, to_pairs, to_plain
 from nan_magic.records import Cause, EarlyWarning, EventRef, Note, Phase, Report, SourcePointer, TensorStats
 from nan_magic.render.common import labelled_samples
-from nan_magic.render.words.cause import cause_evidence, cause_hint
+from nan_magic.render.words.causes.readings import cause_evidence, cause_hint
 
 
 @pytest.mark.parametrize(("ref", "label"), [
@@ -142,7 +142,7 @@ def test_an_event_after_the_first_holds_a_reference_to_it_and_every_view_names_i
     assert json.loads(later.to_json())["follows"]["tensor"]["role"] == "op output"
 
 
-# -- a cause is its kind and the plain values it rests on; render/words/cause.py writes its sentences --
+# -- a cause is its kind and the plain values it rests on; render/words/causes/readings.py writes its sentences --
 
 _STEP = (("optimizer", "Adam"), ("subject", to_pairs(TensorRef.parameter("fc.weight"))), ("dtype", "float16"),
          ("nan", 3), ("posinf", 1), ("neginf", 0), ("lr", 1e-3), ("eps", 1e-8), ("limit", 65504.0), ("step", 7))
@@ -172,7 +172,7 @@ def _of_event(label: str, reading: str, **numbers: object) -> Cause:
 
 
 _DOWNSTREAM = _of_event("overflow", "wide-overflow", limit=3.4e38, signs=(), matmul=False, attention=False)
-#: One cause of each reading render/words/cause.py writes, with the numbers the test reads back.
+#: One cause of each reading render/words/causes/readings.py writes, with the numbers the test reads back.
 CAUSES = {
     "optimizer-lr": (Cause("learning-rate-too-high", "optimizer-lr",
                            (*_STEP[:6], ("lr", 1e38), *_STEP[7:], ("margin", 1000.0))), "lr = 1e38"),
@@ -293,7 +293,7 @@ def _stdlib_only(value: object) -> bool:
 
 
 def test_every_reading_has_a_round_trip_case() -> None:
-    from nan_magic.render.words.cause import _READINGS
+    from nan_magic.render.words.causes.readings import _READINGS
 
     assert set(CAUSES) == set(_READINGS)
 

@@ -31,7 +31,7 @@ from nan_magic.records import (
 )
 from nan_magic.render.common import RowWindow, fact_rows, skipped_line
 from nan_magic.render.fixes import fix_description
-from nan_magic.render.words.cause import cause_evidence, cause_hint
+from nan_magic.render.words.causes.readings import cause_evidence, cause_hint
 from nan_magic.render.words.counted import counted, noun
 from nan_magic.render.words.note_words import note_text
 from nan_magic.render.words.warning_words import warning_text

@@ -26,7 +26,7 @@ from contract.hunt_s28 import CosineHead
 from torch import nn
 
 from nan_magic import NonFiniteError, watch
-from nan_magic.render.words.cause_words import short_label
+from nan_magic.render.words.causes.phrases import short_label
 from nan_magic.render.words.operands import operand_names
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)

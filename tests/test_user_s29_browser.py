@@ -4,7 +4,6 @@ after a save, a kernel restart and a reopen. Without Chromium or Playwright they
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,10 @@ from jupyter_support import (
     ARTIFACTS,
     LabServer,
     coloured_pixels,
-    lab_with,
     open_and_run_all,
     report_widget,
     save_restart_and_reopen,
-    screenshot_page,
+    walk_fixtures,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -25,16 +23,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 WALK = Path(__file__).parent / "notebooks" / "user_s29"
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    with lab_with(WALK, ("gan_saturate.ipynb", "diffusion_schedule.ipynb"), tmp_path_factory) as server:
-        yield server
-
-
-@pytest.fixture()
-def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-    with screenshot_page(request.node.name) as browser_page:
-        yield browser_page
+lab, page = walk_fixtures(WALK, ("gan_saturate.ipynb", "diffusion_schedule.ipynb"))
 
 
 def test_the_gan_s_layers_tab_names_each_row_s_model(lab: LabServer, page: Any) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import cell_text, named_cell, run_copy, widget_states
+from jupyter_support import cell_text, named_cell, report_text, run_copy, short_error, widget_states
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -25,19 +25,6 @@ WALK = Path(__file__).parent / "notebooks" / "user_s29"
 
 def run(name: str, tmp_path: Path) -> Any:
     return run_copy(WALK, name, tmp_path)
-
-
-def short_error(cell: Any) -> list[str]:
-    """The lines of the cell's error output: what stands under the cell above the report."""
-    (error,) = [output for output in cell.outputs if output.output_type == "error"]
-    assert error.ename == "NonFiniteError"
-    return cell_text(type(cell)(outputs=[error])).splitlines()
-
-
-def report_text(cell: Any) -> str:
-    """The report's text as a frontend without widgets shows it (the static twin's text/plain)."""
-    return "\n".join(output.data["text/plain"] for output in cell.outputs
-                     if output.output_type == "display_data" and "text/html" in output.data)
 
 
 def test_the_bert_style_fine_tune_split_over_cells(tmp_path: Path) -> None:

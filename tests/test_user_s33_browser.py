@@ -5,7 +5,6 @@ after a save, a kernel restart and a reopen. Without Chromium or Playwright they
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,10 @@ from jupyter_support import (
     ARTIFACTS,
     LabServer,
     coloured_pixels,
-    lab_with,
     open_and_run_all,
     report_widget,
     save_restart_and_reopen,
-    screenshot_page,
+    walk_fixtures,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -26,16 +24,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 WALK = Path(__file__).parent / "notebooks" / "user_s33"
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    with lab_with(WALK, ("unet_dice.ipynb", "housing_ratio.ipynb"), tmp_path_factory) as server:
-        yield server
-
-
-@pytest.fixture()
-def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-    with screenshot_page(request.node.name) as browser_page:
-        yield browser_page
+lab, page = walk_fixtures(WALK, ("unet_dice.ipynb", "housing_ratio.ipynb"))
 
 
 def test_the_unet_widget_names_the_mask_count_and_shows_its_histograms(lab: LabServer, page: Any) -> None:

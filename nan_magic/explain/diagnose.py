@@ -288,7 +288,7 @@ def _python_backward(node: str) -> bool:
     return node.endswith("Backward")
 
 
-#: The kind of each function whose derivative has a pole (render/words/cause_steps.py writes the derivative).
+#: The kind of each function whose derivative has a pole (render/words/causes/without_op_rule.py writes the derivative).
 _POLE_LABELS = {
     "sqrt": "sqrt-domain", "acos": "sqrt-domain", "asin": "sqrt-domain", "log": "log-domain",
     "div": "division-by-zero", "pow": "pow-domain", "norm": "division-by-zero", "std": "division-by-zero",

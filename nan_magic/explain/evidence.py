@@ -3,7 +3,7 @@
 A rule returns a :class:`Cause`: its kind, which reading of it, and the
 plain values it rests on. :func:`event` is the fact every reading of a
 single event shares (the bad tensor, the producer, the op, its inputs, the
-counts), so that ``nan_magic.render.words.cause`` writes each sentence from the
+counts), so that ``nan_magic.render.words.causes.readings`` writes each sentence from the
 cause alone, in a scene as in the live report.
 """
 

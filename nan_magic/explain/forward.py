@@ -2,7 +2,7 @@
 
 :func:`forward_cause` picks the rule by the op (diagnose.py calls it for
 phase ``forward``); each rule reads the op's inputs as the report holds them
-and says which reading of the event they show (render/words/cause_ops.py writes it).
+and says which reading of the event they show (render/words/causes/forward_ops.py writes it).
 """
 
 from __future__ import annotations
@@ -238,25 +238,16 @@ def _gamma(report: Report) -> Cause:
                        negatives=operand.negatives)
 
 
-def _atanh(report: Report) -> Cause:
-    """artanh(x) = log((1 + x) / (1 - x)) / 2: ±inf at ±1, NaN past them (a Poincaré ball's norm at its edge)."""
-    if not report.nan + report.posinf + report.neginf:
-        return overflow(report)
-    return event_cause("log-domain", "atanh-edge", report, base=op_function(report.op))
+def _domain_edge(reading: str) -> Callable[[Report], Cause]:
+    """The rule of a function infinite at an edge of its domain and NaN past it (``reading``: which one): a
+    non-finite value it made is read at that edge; infinities alone, an overflow."""
 
+    def rule(report: Report) -> Cause:
+        if not report.nan + report.posinf + report.neginf:
+            return overflow(report)
+        return event_cause("log-domain", reading, report, base=op_function(report.op))
 
-def _logit(report: Report) -> Cause:
-    """logit(p) = log(p / (1 - p)): -inf at 0, +inf at 1, NaN outside [0, 1] (a sigmoid that rounded to 1)."""
-    if not report.nan + report.posinf + report.neginf:
-        return overflow(report)
-    return event_cause("log-domain", "logit-edge", report, base=op_function(report.op))
-
-
-def _inverse_cdf(report: Report) -> Cause:
-    """erfinv (±inf at ±1) and ndtri (-inf at 0, +inf at 1), NaN past them: an inverse CDF of a rank n / n."""
-    if not report.nan + report.posinf + report.neginf:
-        return overflow(report)
-    return event_cause("log-domain", "icdf-edge", report, base=op_function(report.op))
+    return rule
 
 
 def _logdet(report: Report) -> Cause:
@@ -291,9 +282,12 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     **dict.fromkeys(("ctc_loss", "_ctc_loss"), _ctc),
     "soft_margin_loss": _soft_margin,
     **dict.fromkeys(("lgamma", "digamma", "polygamma", "mvlgamma"), _gamma),
-    **dict.fromkeys(("atanh", "arctanh"), _atanh),
-    **dict.fromkeys(("logit", "special_logit"), _logit),
-    **dict.fromkeys(("erfinv", "special_erfinv", "special_ndtri", "ndtri"), _inverse_cdf),
+    # artanh(x) = log((1 + x) / (1 - x)) / 2: ±inf at ±1, NaN past them (a Poincaré ball's norm at its edge).
+    **dict.fromkeys(("atanh", "arctanh"), _domain_edge("atanh-edge")),
+    # logit(p) = log(p / (1 - p)): -inf at 0, +inf at 1, NaN outside [0, 1] (a sigmoid that rounded to 1).
+    **dict.fromkeys(("logit", "special_logit"), _domain_edge("logit-edge")),
+    # erfinv (±inf at ±1) and ndtri (-inf at 0, +inf at 1), NaN past them: an inverse CDF of a rank n / n.
+    **dict.fromkeys(("erfinv", "special_erfinv", "special_ndtri", "ndtri"), _domain_edge("icdf-edge")),
     **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),
 }
 

@@ -42,7 +42,7 @@ _SQUARING_OPS = frozenset({
 })
 #: An operand or output within this factor of the dtype's max: any further scale or sum can pass it.
 NEAR_MAX = 1e-3
-#: A sign that an op passed its dtype's max, as plain values: ``(kind, *numbers)``; render/words/cause_overflow.py
+#: A sign that an op passed its dtype's max, as plain values: ``(kind, *numbers)``; render/words/causes/overflow.py
 #: writes each kind ("arithmetic", "pow", "near", "output-near", "square", "product", "scores", "mask").
 Sign = tuple[object, ...]
 

@@ -23,7 +23,7 @@ from nan_magic.records import (
     TensorStats,
     module_label,
 )
-from nan_magic.render.words.cause import cause_evidence, cause_hint, hint_opens_sentence
+from nan_magic.render.words.causes.readings import cause_evidence, cause_hint, hint_opens_sentence
 from nan_magic.render.words.counted import as_written, counted, ordinal
 from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
 from nan_magic.render.words.operands import op_expression, operand_label, operand_names, written_line

@@ -15,7 +15,7 @@ import math
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial
-from nan_magic.render.words.cause_words import fmt
+from nan_magic.render.words.causes.phrases import fmt
 
 __all__ = ["suggested_edit"]
 

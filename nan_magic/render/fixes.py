@@ -9,7 +9,7 @@ from __future__ import annotations
 from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.edits import suggested_edit
-from nan_magic.render.words.cause_words import fmt
+from nan_magic.render.words.causes.phrases import fmt
 from nan_magic.render.words.counted import counted, ordinal
 from nan_magic.render.words.fix_verdicts import diverged_words, frozen_words, milliseconds
 

@@ -34,7 +34,7 @@ REPLACED_GAP = (
     "the child's -inf reaches no boundary the tiered watch reads every step (its parent replaces it); the first "
     "per-module step (the watch's second) finds it, so the default and deferred watch report step 1, where it "
     "began at step 0 (mode='full' and ops=True: step 0)")
-#: What the report says of a gradient the loop gave backward() (render/words/cause_steps.py).
+#: What the report says of a gradient the loop gave backward() (render/words/causes/without_op_rule.py).
 GIVEN_SAYS = tuple((mode, "check the code that computed it") for mode in ("default", "defer", "full", "ops"))
 
 # ---------------------------------------------------------------- shapes of the step: state, structseqs, no input

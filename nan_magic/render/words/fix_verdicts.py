@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nan_magic.render.words.cause_words import fmt
+from nan_magic.render.words.causes.phrases import fmt
 
 __all__ = ["diverged_words", "frozen_words", "milliseconds"]
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
-from nan_magic.render.words.cause_words import counts_phrase
+from nan_magic.render.words.causes.phrases import counts_phrase
 
 __all__ = ["replay_line"]
 

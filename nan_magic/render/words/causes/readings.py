@@ -12,10 +12,10 @@ import math
 from nan_magic.locations import name_location
 from nan_magic.plain import from_plain
 from nan_magic.records import Cause, TensorRef, module_label
-from nan_magic.render.words.cause_ops import OP_READINGS
-from nan_magic.render.words.cause_overflow import OVERFLOW_READINGS
-from nan_magic.render.words.cause_steps import STEP_READINGS
-from nan_magic.render.words.cause_words import Reading, counts, counts_phrase, event_of, fmt, what
+from nan_magic.render.words.causes.forward_ops import OP_READINGS
+from nan_magic.render.words.causes.overflow import OVERFLOW_READINGS
+from nan_magic.render.words.causes.phrases import Reading, counts, counts_phrase, event_of, fmt, what
+from nan_magic.render.words.causes.without_op_rule import STEP_READINGS
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import subject_label
 

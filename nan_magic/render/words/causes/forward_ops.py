@@ -1,7 +1,7 @@
 """The sentences of a forward op's cause: a domain error (log, sqrt, pow), a division, an empty mean, a softmax.
 
 Each reading is written from the cause's event (the op, its inputs by role,
-the counts; render/words/cause_words.py) and the numbers its rule in
+the counts; render/words/causes/phrases.py) and the numbers its rule in
 explain/forward.py or explain/attention.py gave.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nan_magic.records import Cause, Report, TensorRole
-from nan_magic.render.words.cause_words import (
+from nan_magic.render.words.causes.domain_edges import edge_hint
+from nan_magic.render.words.causes.phrases import (
     Reading,
     constant_inputs,
     counts,
@@ -29,7 +30,6 @@ from nan_magic.render.words.cause_words import (
     where,
 )
 from nan_magic.render.words.counted import counted, noun
-from nan_magic.render.words.domain_edges import edge_hint
 
 __all__ = ["OP_READINGS"]
 

@@ -4,7 +4,7 @@ the inverse CDFs erfinv and ndtri): where the edges are, what lies beyond, and t
 from __future__ import annotations
 
 from nan_magic.records import Cause, Report
-from nan_magic.render.words.cause_words import where
+from nan_magic.render.words.causes.phrases import where
 from nan_magic.render.words.counted import counted
 
 __all__ = ["edge_hint"]

@@ -11,8 +11,8 @@ from typing import Any
 
 from nan_magic.plain import from_plain
 from nan_magic.records import Cause, Report, TensorRef, TensorRole, module_label
-from nan_magic.render.words.cause_ops import mask_phrase
-from nan_magic.render.words.cause_words import (
+from nan_magic.render.words.causes.forward_ops import mask_phrase
+from nan_magic.render.words.causes.phrases import (
     Reading,
     counts,
     counts_phrase,

@@ -8,7 +8,7 @@ derivative has a pole, and a module or loss whose op is not known.
 from __future__ import annotations
 
 from nan_magic.records import Cause, Phase, Report, TensorRole
-from nan_magic.render.words.cause_words import (
+from nan_magic.render.words.causes.phrases import (
     Reading,
     counts,
     fmt,
