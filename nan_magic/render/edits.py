@@ -12,16 +12,16 @@ from __future__ import annotations
 import ast
 import math
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial
 from nan_magic.render.words.cause_words import fmt
 
 __all__ = ["suggested_edit"]
 
-_DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
-                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div",
-                 "logit": "logit", "erfinv": "erfinv", "special_ndtri": "ndtri"}
+_DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "log1p": "log1p", "sqrt": "sqrt",
+                 "rsqrt": "rsqrt", "pow": "pow", "reciprocal": "reciprocal", "acos": "acos", "asin": "asin",
+                 "atanh": "atanh", "div": "div", "logit": "logit", "erfinv": "erfinv", "special_ndtri": "ndtri"}
 
 
 def suggested_edit(trial: FixTrial) -> str | None:
@@ -308,6 +308,8 @@ def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
         else:
             bound = float(f"{bound:.8g}")  # (the dtype rounds it to 1 - eps again)
         return (eps if function in UNIT_FUNCTIONS else ast.Constant(-bound), ast.Constant(bound))
+    if function in SHIFTED_FUNCTIONS:  # (-1 + eps, as the trial clamped: 8 digits, as the bounded ones)
+        return (ast.Constant(float(f"{-1 + float(trial.fact('eps') or 1e-7):.8g}")),)
     return (eps,)
 
 
