@@ -246,6 +246,20 @@ def half_scaled_exp(fixed: bool = False, steps: int = 3) -> Built:
                steps=steps)
 
 
+# ---------------------------------------------------------------- the same with operators, the number first
+class HalfScaledExpOps(HalfScaledExp):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, scale, shift = self.lin(x), self.scale, 12.0
+        h = h.float() if self.fixed else h  # (the suggested edit, by hand: the exp's line in float32)
+        return (scale * h + shift).exp().sum(-1, keepdim=True) / 2e5  # producer: exp(12) > 65504
+
+
+def half_scaled_exp_ops(fixed: bool = False, steps: int = 3) -> Built:
+    torch.manual_seed(0)
+    return fit(HalfScaledExpOps(fixed), {"x": torch.randn(8, 4).half(), "y": torch.randn(8, 1).half()}, lr=0.01,
+               steps=steps)
+
+
 CASES = {
     "half-residual": half_residual,
     "learned-scale": learned_scale,
@@ -262,4 +276,5 @@ CASES = {
     "logit-of-edge": logit_of_edge,
     "adam-lr-ten": adam_lr_ten,
     "half-scaled-exp": half_scaled_exp,
+    "half-scaled-exp-ops": half_scaled_exp_ops,
 }
