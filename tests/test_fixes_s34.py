@@ -23,6 +23,7 @@ import numpy
 import pytest
 import torch
 import torch.nn.functional as F
+from fixes_s30_cases import EPS
 from fixes_s34_cases import CASES
 from test_fixes_s29 import _same, _state  # (the user's state, read bit for bit)
 from test_fixes_s33 import _trial
@@ -207,6 +208,10 @@ def test_the_log1p_clamp_moves_nothing_above_its_bound() -> None:
     out = fix(torch.log1p, (operand,), {})
     assert torch.equal(out[2:], torch.log1p(operand[2:])) and bool(out.isfinite().all())
     assert fix.moved == 2 and fix.total == 6
+    written = torch.tensor([-1.0, -0.5])  # (in place, u.log1p_(): clamped in place first, as its edit writes)
+    expected = torch.log1p(torch.tensor([-1 + EPS, -0.5]))
+    assert torch.equal(DomainFix("log1p")(torch.Tensor.log1p_, (written,), {}), expected)
+    assert bool(DomainFix("log1p")(torch.special.log1p, (torch.tensor([-1.0]),), {}).isfinite().all())
 
 
 def _survival(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
