@@ -290,3 +290,18 @@ def test_the_users_hooks_and_frozen_parameters_are_as_before_the_trials(mode: st
         assert [trial.finite for trial in caught.value.report.fixes] == ([True] if fixes else [])
         states.append(_state(model, opt, data))
     assert [key for key in states[0] if not _same(states[0][key], states[1][key])] == []
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_an_orpo_log1p_whose_backward_divides_by_zero_gets_the_log1p_clamp_and_runs_finite_by_hand(mode: str) -> None:
+    """The contract's ORPO case (hunt20): ``torch.log1p(-torch.exp(c))`` of a sequence the policy is certain of
+    (c = 0), its backward 1 / (1 + x) dividing by 0. Was: no eps trial (log1p had no remedy). Now "eps" is verified,
+    the edit clamps both log1p operands on the line, and the case run again with that edit written in (test_fixes_
+    families' by-hand run, the trials off) is finite at every step."""
+    from contract import hunt20
+    from test_fixes_families import _by_hand, _report
+    report = _report(hunt20, "hunt20_orpo_log_odds_of_a_certain_sequence", mode)
+    trial = _trial(report, "eps")
+    assert trial.finite is True and trial.fact("function") == "log1p", trial
+    assert suggested_edit(trial).count(".clamp_min(-0.99999988)") == 2
+    assert _by_hand(hunt20, "hunt20_orpo_log_odds_of_a_certain_sequence", trial, mode) is None
