@@ -13,8 +13,8 @@ from typing import Any, Literal, NamedTuple
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "UNIT_FUNCTIONS", "FailedAt", "FixSite", "FixTrial",
-           "install_describer", "whole_power"]
+__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "SHIFTED_FUNCTIONS", "UNIT_FUNCTIONS", "FailedAt", "FixSite",
+           "FixTrial", "install_describer", "whole_power"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what). ``"next forward"``:
 #: the step was finite, but the updated parameters made the same call's forward non-finite (fixes/step.py).
@@ -27,6 +27,9 @@ BOUNDED_FUNCTIONS = ("acos", "asin", "atanh", "logit", "erfinv", "special_ndtri"
 #: ... of them, those whose domain is (0, 1), clamped into [eps, 1 - eps]: logit(p) = log(p / (1 - p)), -inf at 0
 #: and +inf at 1 (a sigmoid that rounded to 0 or 1), and the normal quantile ndtri (a rank-gauss of rank n / n).
 UNIT_FUNCTIONS = ("logit", "special_ndtri")
+#: The functions whose domain is (-1, inf), their operand clamped to at least -1 + eps: log1p(u) is -inf at -1 (a
+#: survival log(1 - p) written log1p(-p) of a p that rounded to 1), NaN below.
+SHIFTED_FUNCTIONS = ("log1p",)
 
 
 def whole_power(exponent: object) -> bool:

@@ -1,7 +1,7 @@
 """Why no remedy was tried at an event whose cause has one: the note the report carries instead of a silent nothing.
 
 The trials change a producer's line (runner.py's candidates: a log, sqrt,
-rsqrt, pow, division, acos, asin, atanh or logit; an exp; a softmax; a std or
+log1p, rsqrt, pow, division, acos, asin, atanh or logit; an exp; a softmax; a std or
 variance of one element; a line in half precision), a model call's batch
 (skip-batch), or an optimizer step (its learning rate, an Adam eps). An event
 whose cause names a remedy of that table but whose producer none of them

@@ -42,7 +42,7 @@ from nan_magic.fixes.remedies.diverged import lr_trial
 from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
 from nan_magic.fixes.remedies.mask import MASKED, MaskFix
 from nan_magic.fixes.remedies.optimizer_step import redo_step
-from nan_magic.fixes.remedies.precision import float32, refused_upcast
+from nan_magic.fixes.remedies.precision import Float32, refused_upcast
 from nan_magic.fixes.remedies.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.remedies.stable import StableFix, changes_value, declined, stable_replay
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
@@ -81,7 +81,7 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
     remedies: list[tuple[str, Remedy]] = []
     half = report.dtype in HALF_NAMES
     if half or step.root.autocast:
-        remedies.append(("float32", float32))
+        remedies.append(("float32", Float32()))
     if site.function in FUNCTIONS:
         remedies.append(("eps", DomainFix(site.function)))
     if site.function in ("exp", "log"):

@@ -16,6 +16,7 @@ from nan_magic.fix_records import AFTER_THE_LOSS
 from nan_magic.fixes.remedies.correction import CorrectionFix
 from nan_magic.fixes.remedies.domain import DomainFix
 from nan_magic.fixes.remedies.mask import MaskFix
+from nan_magic.fixes.remedies.precision import Float32
 from nan_magic.fixes.remedies.stable import StableFix
 from nan_magic.fixes.site import Remedy
 from nan_magic.fixes.step import FailingStep, StepOutcome, forward_only, held_gradients
@@ -50,6 +51,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
     facts: list[tuple[str, object]] = list(step_facts(step, outcome))
     if kind == "float32":
         facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
+        if isinstance(remedy, Float32) and remedy.numbers:
+            facts += [("numbers", tuple(sorted(remedy.numbers)))]
     if isinstance(remedy, DomainFix):
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
         if remedy.exponents:

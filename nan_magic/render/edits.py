@@ -12,16 +12,16 @@ from __future__ import annotations
 import ast
 import math
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial
 from nan_magic.render.words.causes.phrases import fmt
 
 __all__ = ["suggested_edit"]
 
-_DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "sqrt": "sqrt", "rsqrt": "rsqrt", "pow": "pow",
-                 "reciprocal": "reciprocal", "acos": "acos", "asin": "asin", "atanh": "atanh", "div": "div",
-                 "logit": "logit", "erfinv": "erfinv", "special_ndtri": "ndtri"}
+_DOMAIN_CALLS = {"log": "log", "log2": "log2", "log10": "log10", "log1p": "log1p", "sqrt": "sqrt",
+                 "rsqrt": "rsqrt", "pow": "pow", "reciprocal": "reciprocal", "acos": "acos", "asin": "asin",
+                 "atanh": "atanh", "div": "div", "logit": "logit", "erfinv": "erfinv", "special_ndtri": "ndtri"}
 
 
 def suggested_edit(trial: FixTrial) -> str | None:
@@ -135,6 +135,9 @@ class _Edit(ast.NodeTransformer):
         self.done = False
         #: The calls made to compute in float32: their result needs no ``.float()``.
         self.upcast: set[int] = set()
+        #: The numbers written out on the line (``-0.5``, ``1``): a number the float32 trial saw that is one of these
+        #: came from the line's text, not from a name.
+        self.literals = {value for node in ast.walk(tree) if (value := _literal(node)) is not None}
 
     def _undecided(self, exponent: ast.expr | None) -> bool:
         """Whether no fact says if the trial clamped the base of this pow: an exponent that is no number on the
@@ -144,6 +147,12 @@ class _Edit(ast.NodeTransformer):
         return (self.pows > 1 and not isinstance(exponent, ast.Constant) and bool(clamped)
                 and not set(clamped) <= self.written)
 
+    def _number_named(self, node: ast.expr, functions: tuple[str, ...], index: int = 1) -> bool:
+        """Whether ``node`` is a name (``scale``, ``self.scale``) at an argument where the float32 trial was given a
+        Python number (its ``numbers`` fact), of any of ``functions``: ``scale.float()`` would raise there."""
+        numbers = {(name, at) for name, at, value in self.trial.fact("numbers") or () if value not in self.literals}
+        return isinstance(node, (ast.Name, ast.Attribute)) and any((name, index) in numbers for name in functions)
+
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
         return node
@@ -152,7 +161,18 @@ class _Edit(ast.NodeTransformer):
         self.generic_visit(node)
         kind, function = self.trial.kind, self.trial.fact("function")
         if kind == "float32":  # every operator of the line: the trial upcast every call on it
-            node.left, node.right = _float(node.left, self.upcast), _float(node.right, self.upcast)
+            # A name that may hold a Python number (``h * scale``, ``scale = 0.5``) gets no ``.float()``: the trial
+            # saw a number given to this operator's torch function, second whichever side it stood on, so a name
+            # beside a tensor expression is taken for it (the other side, upcast, still makes the operator float32:
+            # torch promotes); two names beside each other cannot be told apart: no edit.
+            names = _OPERATORS.get(type(node.op), ())
+            left, right = (self._number_named(side, names) and not isinstance(other, ast.Constant)
+                           for side, other in ((node.left, node.right), (node.right, node.left)))
+            self.unsure |= left and right
+            if not left:
+                node.left = _float(node.left, self.upcast)
+            if not right:
+                node.right = _float(node.right, self.upcast)
             self.upcast.add(id(node))
             return self._mark(node)
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
@@ -287,10 +307,20 @@ class _Edit(ast.NodeTransformer):
         elif isinstance(node.func, ast.Attribute) and not _on_module(node.func.value):
             # A tensor's method (``logvar.exp()``): the trial upcast the tensor it is called on, its receiver.
             node.func.value = _float(node.func.value, self.upcast)
-        node.args = [_float(argument, self.upcast) for argument in node.args]
+        offset = 1 if isinstance(node.func, ast.Attribute) and not _on_module(node.func.value) else 0  # (receiver)
+        node.args = [argument if self._number_named(argument, (name or "",), index + offset) else
+                     _float(argument, self.upcast) for index, argument in enumerate(node.args)]
         self.upcast.add(id(node))
         self.done = True
         return node
+
+
+#: A BinOp's operator -> the names its torch function may have in a function mode (``h * 0.5``: ``mul``).
+_OPERATORS = {ast.Add: ("add", "__add__", "__radd__"), ast.Sub: ("sub", "rsub", "__sub__", "__rsub__"),
+              ast.Mult: ("mul", "__mul__", "__rmul__"), ast.Div: ("div", "__truediv__", "__rtruediv__", "__rdiv__"),
+              ast.Pow: ("pow", "__pow__", "__rpow__"), ast.FloorDiv: ("floor_divide", "__floordiv__",
+                                                                       "__rfloordiv__"),
+              ast.Mod: ("remainder", "__mod__", "__rmod__")}
 
 
 def _power_of_two(value: float) -> str:
@@ -308,6 +338,8 @@ def _clamp_args(function: str | None, trial: FixTrial) -> tuple[ast.expr, ...]:
         else:
             bound = float(f"{bound:.8g}")  # (the dtype rounds it to 1 - eps again)
         return (eps if function in UNIT_FUNCTIONS else ast.Constant(-bound), ast.Constant(bound))
+    if function in SHIFTED_FUNCTIONS:  # (-1 + eps, as the trial clamped: 8 digits, as the bounded ones)
+        return (ast.Constant(float(f"{-1 + float(trial.fact('eps') or 1e-7):.8g}")),)
     return (eps,)
 
 
@@ -332,6 +364,15 @@ def _of_self(node: ast.expr) -> bool:
     while isinstance(node, ast.Attribute):
         node = node.value
     return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _literal(node: ast.AST) -> float | None:
+    """The value of a number written out (``0.5``, ``-1``, ``2e5``), else None."""
+    sign = -1.0 if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) else 1.0
+    node = node.operand if isinstance(node, ast.UnaryOp) else node
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return sign * float(node.value)
+    return None
 
 
 def _number(node: ast.expr) -> bool:

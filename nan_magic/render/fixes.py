@@ -6,7 +6,7 @@ stands for in render/edits.py.
 
 from __future__ import annotations
 
-from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS, UNIT_FUNCTIONS
+from nan_magic.fix_records import AFTER_THE_LOSS, BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.records import FixTrial, Report
 from nan_magic.render.edits import suggested_edit
 from nan_magic.render.words.causes.phrases import fmt
@@ -50,6 +50,8 @@ def _changed(trial: FixTrial) -> str:
         how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
         if function in BOUNDED_FUNCTIONS:
             how = f"clamped into [{'' if function in UNIT_FUNCTIONS else '-1 + '}eps, 1 - eps], eps ="
+        if function in SHIFTED_FUNCTIONS:
+            how = "clamped to at least -1 + eps, eps ="
         if eps is None:  # not tried: no operand was met to read a dtype from
             return f"{where} {how} its dtype's machine eps"
         return f"{where} {how} {fmt(eps)} (the {trial.fact('dtype')} machine eps)"

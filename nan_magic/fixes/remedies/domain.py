@@ -5,7 +5,8 @@ clamped to at least eps; a division by 0: the denominator is clamped to eps
 where it is never negative (to 1 where it counts: an integer tensor), else its zeros become eps; ``acos``/``asin`` at
 or beyond +-1, and ``atanh`` there (the inverse of a tanh-squashed action that rounded to 1: SAC's log-prob):
 clamped into ``[-1 + eps, 1 - eps]``, as ``erfinv`` (an inverse CDF); ``logit`` of a probability that rounded to 0
-or 1, and the normal quantile ``ndtri`` (a rank-gauss of rank n / n): into ``[eps, 1 - eps]``. eps is the operand's
+or 1, and the normal quantile ``ndtri`` (a rank-gauss of rank n / n): into ``[eps, 1 - eps]``; ``log1p`` at or below
+-1 (``log1p(-p)`` of a p that rounded to 1): to at least ``-1 + eps``. eps is the operand's
 dtype's machine epsilon (``torch.finfo(dtype).eps``: 1.2e-7 in float32,
 9.8e-4 in float16), large enough for the gradient to stay finite where the
 derivative is 1/x or 1/sqrt(x), and what the suggested edit writes.
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
 __all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand"]
@@ -27,6 +28,7 @@ _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
     "log2": {"log2": 0},
     "log10": {"log10": 0},
+    "log1p": {"log1p": 0, "special_log1p": 0},  # (torch.special.log1p: aten.log1p too)
     "sqrt": {"sqrt": 0},
     "rsqrt": {"rsqrt": 0},
     "pow": {"pow": 0, "__pow__": 0},
@@ -217,6 +219,8 @@ class DomainFix:
             form = denominator_form(operand)
             self.form = form if self.form in (None, "count") else self.form
             moved = operand.clamp_min(eps) if form == "clamp_min" else torch.where(operand == 0, eps, operand)
+        elif self.function in SHIFTED_FUNCTIONS:
+            moved = operand.clamp_min(low)
         else:
             moved = operand.clamp_min(eps)
         changed = int((moved != operand).sum())
@@ -229,6 +233,8 @@ class DomainFix:
             # a copy_ of the clamp would overwrite what the clamp's own backward reads).
             if self.function in BOUNDED_FUNCTIONS:
                 operand.clamp_(low, 1 - eps)
+            elif self.function in SHIFTED_FUNCTIONS:
+                operand.clamp_min_(low)
             else:
                 operand.clamp_min_(eps)
             return func(*args, **kwargs)

@@ -24,7 +24,7 @@ import torch
 from nan_magic.fixes.site import function_name
 from nan_magic.localize.replay.module_run import map_tensors
 
-__all__ = ["HALF", "float32", "refused_upcast"]
+__all__ = ["HALF", "Float32", "float32", "refused_upcast"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -35,6 +35,27 @@ def _upcast(value: torch.Tensor) -> torch.Tensor:
 
 def _in_place(name: str) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+class Float32:
+    """The remedy: each call at the line in float32, autocast off (None for an in-place call, or one without a half
+    operand under no autocast); it records which positional arguments were Python numbers, for the edit."""
+
+    def __init__(self) -> None:
+        #: ``(function name, argument index, value)`` of the Python numbers the line's calls were given
+        #: (``torch.mul(h, scale)`` with ``scale = 0.5``: ``("mul", 1, 0.5)``): the edit writes no ``.float()`` on a
+        #: name that holds one (a value not written out on the line).
+        self.numbers: set[tuple[str, int, float]] = set()
+
+    def renewed(self) -> Float32:
+        """The same remedy, nothing recorded yet (step.py's second trial of it, in every module that runs the line)."""
+        return Float32()
+
+    def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        # (every call at the line: one the trial left as it was, its operand already float32, is edited too)
+        self.numbers |= {(function_name(func), index, float(value)) for index, value in enumerate(args)
+                         if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        return float32(func, args, kwargs)
 
 
 def float32(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -170,7 +170,7 @@ _TEMPLATES: dict[str, str] = {
     "fixes-no-op": "no fix was tried: the remedies fit the producer's op, which was not named; " + _OPS,
     "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
     "fixes-none-fit": "no fix was tried: the producer's op ({op}) is not one a remedy changes at its line (the "
-                      "trials change a log, sqrt, rsqrt, pow, division, acos, asin, atanh or logit, an exp, a "
+                      "trials change a log, log1p, sqrt, rsqrt, pow, division, acos, asin, atanh or logit, an exp, a "
                       "softmax, a std or variance of one element, a line in half precision)",
     "fixes-batch-outside": "no fix was tried: the non-finite values did not enter through a model call's arguments "
                            "(the loop's code read them, or a gradient given to backward held them), and skip-batch "
