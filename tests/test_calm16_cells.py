@@ -238,17 +238,16 @@ def test_copying_and_saving_the_model_inside_the_watch_works_and_the_copies_carr
     assert w.report is None and not w.events
     assert all(same(a, b) for a, b in zip(got, expected, strict=True))
     assert not loop.targets[0]._forward_hooks
-    assert not kept["teacher"]._forward_hooks  # (the stand-in a copy carries went at its first call)
-    best = kept["best"]  # never called: it carries the inert stand-in until then
-    assert b"nan_magic.hot" not in pickle.dumps(best)  # (saved then, it pickles without a reference to our code)
-    best(torch.randn(2, 4))
+    # Copied or saved while the watch is active, the model carries none of its hooks (patches/scripting.py:
+    # unhooked_copies), called or not: the file's model was left an inert stand-in that torch.jit.script could not
+    # compile.
+    assert not kept["teacher"]._forward_hooks
+    best = kept["best"]  # never called
     assert not best._forward_hooks
+    assert b"nan_magic" not in pickle.dumps(best)
     loaded = torch.load(io.BytesIO(kept["file"]), weights_only=False)  # (it loads without nan_magic's code)
     assert all(same(a, b) for a, b in zip(loaded.state_dict().values(), saved.values(), strict=True))
-    # The file's model carries one inert hook (functools.partial(sys.audit, ...)): it returns None, so the output
-    # is the model's own.
-    assert all(hook(loaded, (), {}, None) is None for hook in loaded._forward_hooks.values())
-    assert len(loaded._forward_hooks) == (1 if options.get("mode") != "full" and not options.get("ops") else 0)
+    assert not any(m._forward_hooks or m._forward_hooks_with_kwargs for m in loaded.modules())
 
 
 @pytest.mark.parametrize("options", FIVE_MODES)
