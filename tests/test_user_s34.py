@@ -9,6 +9,9 @@ A per-batch standardisation ``(x - x.mean(0)) / x.std(0)`` named its divisor by 
 (`other` (6,) held 1 zero of 6)"): ``std`` was not among the calls known to run one op and no division inside, so the
 line was taken to be ambiguous. ``std``, ``var``, ``std_mean``, ``var_mean``, ``logsumexp`` and ``median`` (one aten op
 each, no ``aten.div`` under them) now leave the line's ``/`` the one division: "(`x.std(0)` (6,) held 1 zero of 6)".
+
+The same standardisation said which column was constant ("feature 5 (= 0); standardising it divides by a zero std")
+only when the failing step was a watch's first (or an 8th): the replay of the failing step now keeps that reading.
 """
 
 from __future__ import annotations
@@ -131,11 +134,10 @@ def test_the_healthy_standardisation_twin_is_silent_and_bit_identical() -> None:
     assert torch.equal(watched, model(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the constant-feature warning ('feature 5 (= 0); standardising it divides by a zero std') is read on a watch's "
-    "first step and every 8th only (hot/checks/early.py BATCH_RULE_EVERY), not at the event: the per-batch "
-    "standardisation that divides by a column constant in batch 3 says it at step 0 (a fresh cell) but not at step 3"))
 def test_the_step_that_divides_by_a_constant_column_says_which_column() -> None:
+    """Was: the constant-feature warning is read at a watch's first step and every 8th only (hot/checks/early.py), so
+    the per-batch standardisation said "feature 5 (= 0); standardising it divides by a zero std" when its forward ran
+    alone in a cell (step 0) and not at step 3 of the loop. The replay of the failing step reads its batch."""
     torch.manual_seed(0)
     x = torch.randn(128, 6)
     x[96:128, 5] = 0.0
@@ -145,4 +147,40 @@ def test_the_step_that_divides_by_a_constant_column_says_which_column() -> None:
             model(x[i:i + 32]).sum().backward()
     report = caught.value.report
     assert report.step == 3
-    assert any(warning.kind == "constant-feature" for warning in report.warnings)
+    (warning,) = [warning for warning in report.warnings if warning.kind == "constant-feature"]
+    assert warning.step == 3 and dict(warning.facts)["constant"] == ((5, 0.0),)
+    assert "warning     step 3: input[0]: 1 of 6 features is constant over the batch of 32 rows: feature 5 (= 0); " \
+        "standardising it divides by a zero std" in str(report)
+
+
+class ChannelNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True)
+
+
+def test_a_deferred_watch_of_images_with_a_blank_channel_says_it_at_the_failing_step() -> None:
+    """Another form: images (a 4-D batch, a channel all 0 in batch 5) normalised per channel, under defer=True."""
+    torch.manual_seed(0)
+    images = torch.randn(48, 3, 4, 4)
+    images[40:48, 2] = 0.0
+    model = nn.Sequential(ChannelNorm(), nn.Conv2d(3, 2, 1))
+    with pytest.raises(NonFiniteError) as caught, watch(model, defer=True, fixes=False):
+        for i in range(0, 48, 8):
+            model(images[i:i + 8]).sum().backward()
+    report = caught.value.report
+    assert report.step == 5 and report.op == "aten.div.Tensor"
+    (warning,) = [warning for warning in report.warnings if warning.kind == "constant-feature"]
+    assert warning.step == 5 and dict(warning.facts)["constant"] == ((2, 0.0),)
+
+
+def test_a_healthy_loop_with_a_constant_column_warns_only_where_the_watch_reads_it() -> None:
+    """No event, no replay: a constant column gets the watch's own warning (step 0; once per 100 steps), no more."""
+    torch.manual_seed(0)
+    x = torch.randn(320, 6)
+    x[:, 5] = 1.0
+    model = nn.Linear(6, 1)
+    with watch(model) as w:
+        for i in range(0, 320, 32):
+            model(x[i:i + 32]).sum().backward()
+    assert w.report is None
+    assert [warning.step for warning in w.warnings if warning.kind == "constant-feature"] == [0]

@@ -101,6 +101,9 @@ def test_the_regressor_whose_batch_standardisation_meets_a_constant_column(tmp_p
         summary
     text = report_text(named_cell(nb, "train"))
     assert "  first at    index (0, 5)" in text and "1 of 1 verified" in text
+    # Was said only where the failing step was the watch's first (the split cell below), not at step 3
+    assert "step 3: input[0]: 1 of 6 features is constant over the batch of 32 rows: feature 5 (= 0); " \
+        "standardising it divides by a zero std" in text
     assert "suggested edit (not applied): Cell In[3], line 3: return (x - x.mean(0)) / x.std(0).clamp_min(1.2e-07)" \
         in text
     debug = cell_text(named_cell(nb, "debug"))  # in the module (cell 3), `up` twice into the helper (cell 4)
