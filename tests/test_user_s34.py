@@ -96,6 +96,20 @@ def test_an_xlogy_of_zeros_with_positive_weights_keeps_its_minus_inf_words() -> 
     assert caught.value.report.cause.label == "log-domain" and ": -inf from zeros, NaN from negatives" in hint, hint
 
 
+def test_an_xlogy_that_overflows_without_a_zero_is_no_log_of_zero() -> None:
+    """Its +inf is a log of zero only where the log's operand held zeros: 1e38·log(1e38) overflows float32."""
+    model = nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+        model.bias.fill_(1e38)
+    with pytest.raises(NonFiniteError) as caught, watch(model, fixes=False):
+        y = model(torch.ones(1, 1))
+        torch.xlogy(y, y).sum().backward()
+    report = caught.value.report
+    assert report.op == "aten.xlogy.Tensor" and report.posinf == 1
+    assert report.cause.label == "overflow", report.cause.hint
+
+
 class BatchStandardize(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - x.mean(0)) / x.std(0)

@@ -81,7 +81,8 @@ def _overflow_beside_neginf(base: str, report: Report) -> bool:
 
 def _log(report: Report) -> Cause:
     zeros, negatives = report.neginf, report.nan
-    if op_function(report.op) == "xlogy":
+    logged = report.operand("other")
+    if op_function(report.op) == "xlogy" and logged is not None and logged.zeros:
         zeros += report.posinf  # x·log(0) is +inf where x < 0 (a Beta's log_prob of 1 with b < 1): a zero too
     if not zeros + negatives:
         return overflow(report)
