@@ -81,6 +81,9 @@ def _overflow_beside_neginf(base: str, report: Report) -> bool:
 
 def _log(report: Report) -> Cause:
     zeros, negatives = report.neginf, report.nan
+    logged = report.operand("other")
+    if op_function(report.op) == "xlogy" and logged is not None and logged.zeros:
+        zeros += report.posinf  # x·log(0) is +inf where x < 0 (a Beta's log_prob of 1 with b < 1): a zero too
     if not zeros + negatives:
         return overflow(report)
     return event_cause("log-domain", "log-domain", report, base=op_function(report.op))

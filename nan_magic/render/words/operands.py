@@ -53,6 +53,7 @@ _PLAIN_CALLS = frozenset({
     "square", "pow", "mul", "add", "sub", "matmul", "mm", "bmm", "eye", "diag", "diagonal", "xlogy", "acos", "asin",
     "acosh", "atanh", "atan2", "hypot", "sin", "cos", "reciprocal", "item", "numel", "size", "dim", "chunk", "split",
     "narrow", "select", "fill_", "zero_", "any", "all", "isfinite", "isnan", "cumprod", "flip", "roll",
+    "std", "var", "std_mean", "var_mean", "logsumexp", "median",  # (one aten op each: no division runs inside)
     "randn", "rand", "randint", "randn_like", "rand_like", "randint_like", "empty", "empty_like", "linspace",
     "backward",  # (runs backward-phase ops only, and no name is read for those)
 })

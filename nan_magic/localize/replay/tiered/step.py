@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -55,7 +55,7 @@ from nan_magic.localize.replay.tiered.root_calls import NestedWatch, Outcome, Ro
 from nan_magic.localize.replay.tiered.step_keeping import _NO_PARAMETERS, MAX_CALLS, StepKeeping, _Cycle
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
-from nan_magic.records import Note, Phase, Report, TensorRef, TensorRole
+from nan_magic.records import EarlyWarning, Note, Phase, Report, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -332,7 +332,7 @@ class StepReplays(StepKeeping):
             # (the watched optimizers' weight decay, read as the step's check saw the event: the nested watch has none)
             optimizer_decay=report.optimizer_decay or (seen.optimizer_decay if seen else None),
             history=tuple(watch.history),
-            warnings=tuple(watch.warnings),
+            warnings=(*watch.warnings, *_batch_warnings(report, watch.warnings, step)),
             reproduced=True,
             models_watched=len(watch.targets.roots),
             ops=watch.config.ops,
@@ -349,3 +349,16 @@ class StepReplays(StepKeeping):
         note = Note.of("not-reproduced-unseen" if seen.unlocated else "not-reproduced-inputs"
                        if why.kind == "inputs-modified" else "not-reproduced", reason=why.pair)
         return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
+
+
+def _batch_warnings(replayed: Report, seen: Sequence[EarlyWarning], step: int) -> tuple[EarlyWarning, ...]:
+    """The replay's reading of the failing step's own batch (a feature constant over it), as of ``step``.
+
+    The watch reads a batch's features at its first step and every 8th only (hot/checks/early.py); the replay is the
+    failing step's first, so it read them: a per-batch standardisation that divides by a column constant in batch 3
+    is told which column, as it is at step 0. Not where the watch said it of this step already.
+    """
+    if any(warning.kind == "constant-feature" and warning.step == step for warning in seen):
+        return ()
+    return tuple(dataclasses.replace(warning, step=step) for warning in replayed.warnings
+                 if warning.kind == "constant-feature")

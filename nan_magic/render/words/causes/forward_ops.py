@@ -46,11 +46,14 @@ def _eps(event: Report) -> str:
 
 def _log_hint(event: Report, cause: Cause) -> str:
     zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
+    made = "-inf"
+    if base == "xlogy" and event.posinf:  # x·log(0) is +inf where x < 0: explain/forward.py counts it as a zero
+        zeros, made = zeros + event.posinf, "+inf or -inf (x·log(y), by x's sign)"
     bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     return (
-        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp to "
+        f"{base} got {bad} in {input_named(event, zeros, negatives)}: {made} from zeros, NaN from negatives; clamp to "
         f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
         "log-probabilities (logdet for a determinant)"
     )
@@ -450,7 +453,9 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 
 OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
-    "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
+    "log-domain": on_event(_log_hint, _made(
+        lambda event: f"{event.neginf} -inf and {event.nan} nan" if not event.posinf else counts(event)),
+        sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     **dict.fromkeys(("atanh-edge", "logit-edge", "icdf-edge"), on_event(edge_hint, _made(counts), sentence=False)),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
