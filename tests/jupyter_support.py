@@ -413,20 +413,3 @@ def report_widget(page: Any) -> Any:
     widget.wait_for(timeout=180_000)
     widget.scroll_into_view_if_needed()
     return widget
-
-
-def walk_fixtures(walk: Path, names: tuple[str, ...]) -> tuple[Any, Any]:
-    """A browser walk's two fixtures: ``lab`` (module-wide, serving copies of ``names`` from ``walk``) and ``page``
-    (a Chromium page per test, screenshot after). Assign them in the test module: ``lab, page = walk_fixtures(...)``."""
-
-    @pytest.fixture(scope="module")
-    def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-        with lab_with(walk, names, tmp_path_factory) as server:
-            yield server
-
-    @pytest.fixture()
-    def page(lab: LabServer, request: pytest.FixtureRequest) -> Iterator[Any]:
-        with screenshot_page(request.node.name) as browser_page:
-            yield browser_page
-
-    return lab, page
