@@ -80,10 +80,14 @@ def _overflow_beside_neginf(base: str, report: Report) -> bool:
 
 
 def _log(report: Report) -> Cause:
-    zeros, negatives = report.neginf, report.nan
+    """A log of finite operands is -inf at 0 and NaN below it; ``xlogy(x, 0)`` is ``x * -inf``, so +inf where its
+    coefficient is negative (a Dirichlet's or Beta's concentration below 1 at a value on its support's edge)."""
+    base = op_function(report.op)
+    zeros = report.neginf + (report.posinf if base == "xlogy" else 0)
+    negatives = report.nan
     if not zeros + negatives:
         return overflow(report)
-    return event_cause("log-domain", "log-domain", report, base=op_function(report.op))
+    return event_cause("log-domain", "log-domain", report, base=base, zeros=zeros, negatives=negatives)
 
 
 def _sqrt(report: Report) -> Cause:

@@ -45,12 +45,14 @@ def _eps(event: Report) -> str:
 
 
 def _log_hint(event: Report, cause: Cause) -> str:
-    zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
+    zeros, negatives, base = cause.fact("zeros"), cause.fact("negatives"), cause.fact("base")
     bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
+    signs = ("xlogy(x, y) is x * log(y): ±inf where y is 0 (+inf where x < 0), NaN where y is negative"
+             if base == "xlogy" else "-inf from zeros, NaN from negatives")
     return (
-        f"{base} got {bad} in {input_named(event, zeros, negatives)}: -inf from zeros, NaN from negatives; clamp to "
+        f"{base} got {bad} in {input_named(event, zeros, negatives)}: {signs}; clamp to "
         f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
         "log-probabilities (logdet for a determinant)"
     )
@@ -450,7 +452,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 
 OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
-    "log-domain": on_event(_log_hint, _made(lambda event: f"{event.neginf} -inf and {event.nan} nan"), sentence=False),
+    "log-domain": on_event(_log_hint, _made(counts), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     **dict.fromkeys(("atanh-edge", "logit-edge", "icdf-edge"), on_event(edge_hint, _made(counts), sentence=False)),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
