@@ -45,7 +45,9 @@ def _eps(event: Report) -> str:
 
 
 def _log_hint(event: Report, cause: Cause) -> str:
-    zeros, negatives, base = cause.fact("zeros"), cause.fact("negatives"), cause.fact("base")
+    # A cause written before it carried its counts (a saved scene) has the event's: -inf from zeros, NaN below 0.
+    zeros, negatives = cause.fact("zeros", event.neginf), cause.fact("negatives", event.nan)
+    base = cause.fact("base")
     bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
