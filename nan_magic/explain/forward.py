@@ -80,13 +80,17 @@ def _overflow_beside_neginf(base: str, report: Report) -> bool:
 
 
 def _log(report: Report) -> Cause:
+    """A log of finite operands is -inf at 0 and NaN below it; ``xlogy(x, 0)`` is ``x * -inf``, so +inf where its
+    coefficient is negative (a Dirichlet's or Beta's concentration below 1 at a value on its support's edge): counted
+    as a zero only where the log's operand held zeros (``1e38 * log(1e38)`` is an overflow)."""
+    base = op_function(report.op)
     zeros, negatives = report.neginf, report.nan
     logged = report.operand("other")
-    if op_function(report.op) == "xlogy" and logged is not None and logged.zeros:
-        zeros += report.posinf  # x·log(0) is +inf where x < 0 (a Beta's log_prob of 1 with b < 1): a zero too
+    if base == "xlogy" and logged is not None and logged.zeros:
+        zeros += report.posinf
     if not zeros + negatives:
         return overflow(report)
-    return event_cause("log-domain", "log-domain", report, base=op_function(report.op))
+    return event_cause("log-domain", "log-domain", report, base=base, zeros=zeros, negatives=negatives)
 
 
 def _sqrt(report: Report) -> Cause:

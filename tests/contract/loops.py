@@ -8,9 +8,9 @@ from torch import nn
 from contract import Scenario
 
 
-def sgd_loop(model: nn.Module, batch, loss_fn, steps: int = 4, lr: float = 0.01) -> Scenario:
-    """SGD on ``loss_fn(model(*batch(step)), step)``."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def sgd_loop(model: nn.Module, batch, loss_fn, steps: int = 4, lr: float = 0.01, opt=None) -> Scenario:
+    """SGD (or ``opt``) on ``loss_fn(model(*batch(step)), step)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr) if opt is None else opt
 
     def run() -> list[torch.Tensor]:
         losses = []

@@ -45,15 +45,16 @@ def _eps(event: Report) -> str:
 
 
 def _log_hint(event: Report, cause: Cause) -> str:
-    zeros, negatives, base = event.neginf, event.nan, cause.fact("base")
-    made = "-inf"
-    if base == "xlogy" and event.posinf:  # x·log(0) is +inf where x < 0: explain/forward.py counts it as a zero
-        zeros, made = zeros + event.posinf, "+inf or -inf (x·log(y), by x's sign)"
+    # A cause written before it carried its counts (a saved scene) has the event's: -inf from zeros, NaN below 0.
+    zeros, negatives = cause.fact("zeros", event.neginf), cause.fact("negatives", event.nan)
+    base = cause.fact("base")
     bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
+    signs = ("xlogy(x, y) is x * log(y): ±inf where y is 0 (+inf where x < 0), NaN where y is negative"
+             if base == "xlogy" else "-inf from zeros, NaN from negatives")
     return (
-        f"{base} got {bad} in {input_named(event, zeros, negatives)}: {made} from zeros, NaN from negatives; clamp to "
+        f"{base} got {bad} in {input_named(event, zeros, negatives)}: {signs}; clamp to "
         f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
         "log-probabilities (logdet for a determinant)"
     )
@@ -453,9 +454,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 
 OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
-    "log-domain": on_event(_log_hint, _made(
-        lambda event: f"{event.neginf} -inf and {event.nan} nan" if not event.posinf else counts(event)),
-        sentence=False),
+    "log-domain": on_event(_log_hint, _made(counts), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     **dict.fromkeys(("atanh-edge", "logit-edge", "icdf-edge"), on_event(edge_hint, _made(counts), sentence=False)),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
