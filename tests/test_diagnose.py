@@ -538,7 +538,19 @@ def test_log_counts_zeros_and_negatives_from_the_output() -> None:
 
 def test_log1p_speaks_of_values_below_minus_one() -> None:
     cause = diagnose(report(op="aten.log1p.default", nan=2))
-    assert cause.label == "log-domain" and "2 values <= -1" in cause.hint
+    assert cause.label == "log-domain" and "0 values at -1 and 2 values below -1" in cause.hint
+
+
+def test_log1p_counts_its_minus_infinities_as_values_at_minus_one_and_clamps_to_minus_one_plus_eps() -> None:
+    cause = diagnose(report(op="aten.log1p.default", neginf=6))
+    assert "log1p got 6 values at -1 and 0 values below -1" in cause.hint
+    assert "x.clamp_min(-0.99999988)" in cause.hint and "1e-12" not in cause.hint
+
+
+def test_log_hints_keep_their_zeros_and_eps() -> None:
+    for base in ("log", "log2", "log10"):
+        cause = diagnose(report(op=f"aten.{base}.default", nan=1, neginf=2))
+        assert f"{base} got 2 zeros and 1 negative" in cause.hint and "x.clamp_min(1e-12)" in cause.hint
 
 
 @pytest.mark.parametrize(

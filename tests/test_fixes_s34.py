@@ -43,7 +43,7 @@ VERIFIED = {
     "half-residual": "float32",  # (40000 + 40000 overflows float16, not float32)
     "cube-root": "eps",  # (h ** (1/3) of a negative h: NaN before, the clamp moves only those)
     "where-sqrt": "eps",  # (the torch.where's untaken branch: NaN in backward, the outputs unchanged)
-    "log1p-of-minus-one": "eps",  # (log1p(-p) of p = 1: clamped to -1 + eps; was: no fix tried)
+    "log1p-of-minus-one": "eps",  # (log1p(-p) of p = 1: clamped to -1 + eps; was: no fix tried; see SATURATED)
     "log1p-half-method": "eps",  # (the same in float16, the method form, eps float16's)
     "inverse-softplus": "eps",  # (log(expm1(0)))
     "logit-of-edge": "eps",  # (logit of a probability clamped to [0, 1])
@@ -58,6 +58,21 @@ NO_EDIT = ("half-scaled-exp-ops",)
 NONE = ("learned-scale", "lr-ten", "lgamma-of-zero", "cosh-overflow", "prod-overflow", "vae-kl", "adam-lr-ten")
 #: incidents whose report must say, in a note, that no remedy fits its producer's op (its cause has remedies).
 NONE_FIT = ("lgamma-of-zero", "cosh-overflow")
+
+
+def _saturated() -> Any:
+    return pytest.mark.xfail(strict=True, reason=(
+        "verified, and by hand nothing trains: log1p(-sigmoid(40 h)) with every sigmoid saturated (at 1, 0 or 2e-10),"
+        " so the user's mse gives gradients below 2e-18 and the loss stays 190.62 for 12 steps. The clamp moves 6 of "
+        "the 8 values (those at -1); the other 2 are -0.0 and -2e-10 (sigmoids at 0 and 2e-10), inside log1p's "
+        "domain, so the rule 'every element clamped' (moved_all) does not reach it: their gradient dies in the "
+        "sigmoid, not in the clamp. The trial runs before the loss code (backward from ones), where a weight of "
+        "-0.0037 still moves by an ulp: neither 'no gradient' nor 'the update moved no parameter' tells it, and a "
+        "relative threshold would misfire on a warm-up at lr 0; the honest remedy is logsigmoid(-z), a stable rewrite"
+        " no trial makes for log1p"))
+
+
+_SATURATED = _saturated()
 
 
 def run(name: str, mode: str, **options: Any) -> tuple[Report, dict[str, Any]]:
@@ -107,11 +122,18 @@ def _by_hand(name: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize(("name", "mode"), [(name, mode) for name in CASES for mode in MODES])
+#: The incident verified today whose edit by hand trains nothing (every sigmoid saturated): its honest verdict is
+#: not verified; the tests that say so are strict xfails (_SATURATED below says why the engine cannot yet tell).
+SATURATED = "log1p-of-minus-one"
+
+
+@pytest.mark.parametrize(("name", "mode"), [
+    pytest.param(name, mode, marks=[_saturated()] if name == SATURATED else []) for name in CASES for mode in MODES])
 def test_only_a_remedy_that_works_by_hand_is_verified_and_the_user_state_is_untouched(name: str, mode: str) -> None:
     report, state = run(name, mode, keep_last_good=True)
     verified = [trial.kind for trial in report.fixes if trial.finite]
-    assert verified == ([VERIFIED[name]] if name in VERIFIED else []), (report.fixes, report.note_facts)
+    honest = [] if name == SATURATED else [VERIFIED[name]] if name in VERIFIED else []
+    assert verified == honest, (report.fixes, report.note_facts)
     assert max((trial.seconds for trial in report.fixes), default=0.0) < 5.0, report.fixes
     if name in VERIFIED:
         trial = _trial(report, VERIFIED[name])
@@ -139,12 +161,6 @@ _ONE_STEP = pytest.mark.xfail(strict=True, reason=(
     "in place of every ReLU zero (half the operand), and at lr 0.01 the loss goes 37 -> 1670 -> 56684 -> inf at the "
     "fourth step. The trial judges the failing step and the next forward only; a verdict over several steps is an "
     "engine change (more replays at the event)"))
-_SATURATED = pytest.mark.xfail(strict=True, reason=(
-    "verified, and by hand nothing trains: log1p(-sigmoid(40 h)) with every sigmoid at exactly 0 or 1, so the "
-    "user's mse gives gradients below 2e-18 and the loss stays 190.62 for 12 steps. The trial runs before the loss "
-    "code (backward from ones), where a weight of -0.0037 still moves by an ulp: neither 'no gradient' nor 'the "
-    "update moved no parameter' (tried: it misses this) tells it, and a relative threshold would misfire on a "
-    "warm-up at lr 0; the honest remedy is logsigmoid(-z), a stable rewrite no trial makes for log1p"))
 
 
 @pytest.mark.parametrize("name", [
@@ -181,7 +197,7 @@ def test_an_operator_between_two_names_one_a_number_gets_no_edit_rather_than_a_w
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("name", ["log1p-of-minus-one", "log1p-half-method"])
+@pytest.mark.parametrize("name", [pytest.param(SATURATED, marks=[_saturated()]), "log1p-half-method"])
 def test_a_log1p_at_minus_one_gets_its_operand_clamped_to_minus_one_plus_eps(name: str, mode: str) -> None:
     """``torch.log1p(-p)`` (float32) and ``q.log1p()`` (float16) where p rounded to 1. Was: "no fix was tried: the
     producer's op (aten.log1p.default) is not one a remedy changes at its line". Now: "eps: the operand of log1p
@@ -189,12 +205,13 @@ def test_a_log1p_at_minus_one_gets_its_operand_clamped_to_minus_one_plus_eps(nam
     by hand trains (the main test) and leaves every operand above -1 + eps as it was."""
     report, _state_after = run(name, mode)
     trial = _trial(report, "eps")
-    assert trial.finite is True and trial.fact("function") == "log1p"
+    assert trial.fact("function") == "log1p"
     text = " ".join(report.to_text().split())
     eps = torch.finfo(torch.float16 if "half" in name else torch.float32).eps
     assert "the operand of log1p clamped to at least -1 + eps" in text
     assert f".clamp_min({float(f'{-1 + eps:.8g}')})" in suggested_edit(trial)
     assert "no fix was tried" not in text
+    assert trial.finite is (name != SATURATED)  # (saturated: by hand nothing trains, so it is no fix)
     if "half" in name:
         assert _trial(report, "float32").finite is False  # (sigmoid(40) is 1 in float32 too)
 
@@ -251,14 +268,7 @@ def test_a_healthy_twin_stays_silent_and_bit_identical(loss_of: Any, mode: str) 
 def test_a_lr_ten_lowered_tenfold_still_diverges_by_hand_so_the_trial_is_not_verified() -> None:
     """The lr trial's "not a fix": lr 1, the tenth the cause suggests, run by hand from the start diverges as well
     (the loss x100 a step): a verdict of verified there would have been false."""
-    losses = []
-    model, opt, _loop, data = CASES["lr-ten"](fixed=True, steps=0)
-    for _ in range(12):
-        opt.zero_grad()
-        loss = _mse(model, data)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = _by_hand("lr-ten")  # (its gradients and parameters finite on each step: a divergence, not a NaN)
     assert losses[-1] > 1e20 * losses[0]
     report, _state_after = run("lr-ten", "default", keep_last_good=True)
     trial = _trial(report, "lr")

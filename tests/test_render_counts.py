@@ -128,9 +128,9 @@ PHRASES: dict[str, tuple[Callable[[int], str], str, str]] = {
         "got 2 zeros and 2 negatives in",
     ),
     "log1p-values": (
-        lambda n: _cause_text("log-domain", "log-domain", _event(nan=n), base="log1p"),
-        "got 1 value <= -1",
-        "got 2 values <= -1",
+        lambda n: _cause_text("log-domain", "log-domain", _event(neginf=n, nan=n), base="log1p"),
+        "got 1 value at -1 and 1 value below -1",
+        "got 2 values at -1 and 2 values below -1",
     ),
     "gamma-zeros-negatives": (
         lambda n: _cause_text("log-domain", "gamma-pole", base="lgamma", zeros=n, negatives=n),

@@ -53,6 +53,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
         facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
         if isinstance(remedy, Float32) and remedy.numbers:
             facts += [("numbers", tuple(sorted(remedy.numbers)))]
+        if isinstance(remedy, Float32) and remedy.positional:
+            facts += [("positional", tuple(sorted(remedy.positional)))]
     if isinstance(remedy, DomainFix):
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
         if remedy.exponents:

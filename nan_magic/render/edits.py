@@ -51,9 +51,10 @@ def suggested_edit(trial: FixTrial) -> str | None:
         tree = ast.parse(source.line.strip())
     except SyntaxError:
         return None
+    unchanged = ast.unparse(tree)
     edit = _Edit(trial, tree)
     code = ast.unparse(edit.visit(tree))
-    if not edit.done or edit.unsure:
+    if not edit.done or edit.unsure or code == unchanged:  # (the user's own line is no edit)
         return None
     regions = trial.fact("autocast") or ()
     if trial.kind == "float32" and regions:
@@ -135,9 +136,14 @@ class _Edit(ast.NodeTransformer):
         self.done = False
         #: The calls made to compute in float32: their result needs no ``.float()``.
         self.upcast: set[int] = set()
-        #: The numbers written out on the line (``-0.5``, ``1``): a number the float32 trial saw that is one of these
-        #: came from the line's text, not from a name.
-        self.literals = {value for node in ast.walk(tree) if (value := _literal(node)) is not None}
+        numbers = self.trial.fact("numbers") or ()
+        #: Where the float32 trial was given a Python number: ``(function, argument index)``.
+        self.numbers = {(name, at) for name, at, _value in numbers}
+        #: ... of those, the ones no number written on the line (``0.5``, ``1 / 3``) at that place accounts for:
+        #: there a name, an attribute or an item (``scale``, ``self.cfg["scale"]``) holds the number.
+        self.named = {(name, at) for name, at, value in numbers if (name, at, value) not in _written(tree)}
+        #: ``(function, positional count, a keyword was a tensor)`` of each call the trial saw.
+        self.positional: tuple[tuple[str, int, bool], ...] = self.trial.fact("positional") or ()
 
     def _undecided(self, exponent: ast.expr | None) -> bool:
         """Whether no fact says if the trial clamped the base of this pow: an exponent that is no number on the
@@ -147,34 +153,15 @@ class _Edit(ast.NodeTransformer):
         return (self.pows > 1 and not isinstance(exponent, ast.Constant) and bool(clamped)
                 and not set(clamped) <= self.written)
 
-    def _number_named(self, node: ast.expr, functions: tuple[str, ...], index: int = 1) -> bool:
-        """Whether ``node`` is a name (``scale``, ``self.scale``) at an argument where the float32 trial was given a
-        Python number (its ``numbers`` fact), of any of ``functions``: ``scale.float()`` would raise there."""
-        numbers = {(name, at) for name, at, value in self.trial.fact("numbers") or () if value not in self.literals}
-        return isinstance(node, (ast.Name, ast.Attribute)) and any((name, index) in numbers for name in functions)
-
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
         return node
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+        if self.trial.kind == "float32":
+            return self._float32_operator(node)
         self.generic_visit(node)
         kind, function = self.trial.kind, self.trial.fact("function")
-        if kind == "float32":  # every operator of the line: the trial upcast every call on it
-            # A name that may hold a Python number (``h * scale``, ``scale = 0.5``) gets no ``.float()``: the trial
-            # saw a number given to this operator's torch function, second whichever side it stood on, so a name
-            # beside a tensor expression is taken for it (the other side, upcast, still makes the operator float32:
-            # torch promotes); two names beside each other cannot be told apart: no edit.
-            names = _OPERATORS.get(type(node.op), ())
-            left, right = (self._number_named(side, names) and not isinstance(other, ast.Constant)
-                           for side, other in ((node.left, node.right), (node.right, node.left)))
-            self.unsure |= left and right
-            if not left:
-                node.left = _float(node.left, self.upcast)
-            if not right:
-                node.right = _float(node.right, self.upcast)
-            self.upcast.add(id(node))
-            return self._mark(node)
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
             node.right = _denominator(node.right, self.trial)
             return self._mark(node)
@@ -195,11 +182,11 @@ class _Edit(ast.NodeTransformer):
         return node
 
     def visit_Call(self, node: ast.Call) -> ast.expr:
-        self.generic_visit(node)
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         kind, function = self.trial.kind, self.trial.fact("function")
         if kind == "float32":
             return self._float32_call(node, name)
+        self.generic_visit(node)
         method = isinstance(node.func, ast.Attribute) and not node.args and name != "float"
         if kind == "eps" and name is not None and name.removesuffix("_") == _DOMAIN_CALLS.get(function or ""):
             if function == "div":
@@ -289,15 +276,42 @@ class _Edit(ast.NodeTransformer):
             return node
         return self._mark(ast.Call(ast.parse("torch.nn.functional.softplus", mode="eval").body, [inner], []))
 
+    def _float32_operator(self, node: ast.BinOp) -> ast.expr:
+        """``h * scale``: each side that may hold a tensor upcast (torch promotes the operator to float32).
+
+        A side is a Python number where it cannot hold a tensor (``1 / 3``, ``math.sqrt(d)``: the other side is the
+        tensor), or where it is a name, an attribute or an item (or arithmetic of them) and the trial was given a
+        number at this operator that no number written beside it accounts for (``h * scale``, ``scale = 0.5``): it
+        is left as written. Two such sides cannot be told apart: no edit (the verdict stays)."""
+        names = _OPERATORS.get(type(node.op), ())
+        sides = (node.left, node.right)
+        certain = [_python_number(side) for side in sides]
+        if all(certain):
+            return node  # (Python's arithmetic: no torch call)
+        named = not any(certain) and any((name, 1) in self.named for name in names)
+        maybe = [named and _may_be_number(side) for side in sides]
+        self.unsure |= all(maybe)
+        node.left, node.right = (side if number or held else _float(self.visit(side), self.upcast)
+                                 for side, number, held in zip(sides, certain, maybe))
+        self.upcast.add(id(node))
+        return self._mark(node)
+
     def _float32_call(self, node: ast.Call, name: str | None) -> ast.expr:
         """A call's tensor arguments upcast; a module's (``self.fc(x)``) also its parameters, outside autocast.
 
         Under autocast the edit turns autocast off for the line (suggested_edit), and a module's float32
         parameters are then used as they are: ``self.fc(x.float())``. Without autocast its half parameters
         are what overflowed: ``self.fc.float()(x.float())`` (``Module.float`` converts them in place, once).
+        An argument the trial was given as a Python number or a bool (``torch.mul(h, self.cfg["scale"])``), or as
+        a keyword (``F.leaky_relu(h, self.p)``: torch gets ``negative_slope=``), and a ``math`` function's call,
+        are left as written: ``.float()`` there raises.
         """
-        if name in ("float", "to", "transpose", "view", "reshape", "size"):
+        if _math_call(node):
             return node
+        if name in ("float", "to", "transpose", "view", "reshape", "size"):
+            self.generic_visit(node)
+            return node
+        node.func = self.visit(node.func)
         func = node.func
         while isinstance(func, ast.Attribute):
             func = func.value
@@ -308,8 +322,14 @@ class _Edit(ast.NodeTransformer):
             # A tensor's method (``logvar.exp()``): the trial upcast the tensor it is called on, its receiver.
             node.func.value = _float(node.func.value, self.upcast)
         offset = 1 if isinstance(node.func, ast.Attribute) and not _on_module(node.func.value) else 0  # (receiver)
-        node.args = [argument if self._number_named(argument, (name or "",), index + offset) else
-                     _float(argument, self.upcast) for index, argument in enumerate(node.args)]
+        seen = [(count, keyword) for function, count, keyword in self.positional if function == name]
+        given = min((count for count, _keyword in seen), default=None)
+        self.unsure |= any(keyword for _count, keyword in seen) and len(node.args) + offset > (given or 0)
+        node.args = [argument if (name, index + offset) in self.numbers or (
+            given is not None and index + offset >= given) else _float(self.visit(argument), self.upcast)
+            for index, argument in enumerate(node.args)]
+        if not seen:  # (a call the trial never saw, such as a module's: its keywords' calls edited as before)
+            node.keywords = [self.visit(keyword) for keyword in node.keywords]
         self.upcast.add(id(node))
         self.done = True
         return node
@@ -364,6 +384,65 @@ def _of_self(node: ast.expr) -> bool:
     while isinstance(node, ast.Attribute):
         node = node.value
     return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _written(tree: ast.AST) -> set[tuple[str, int, float]]:
+    """``(function, argument index, value)`` of each number the line writes at an operator (``h * (1 / 3)``: at
+    ``mul``'s second argument, where torch is given it whichever side it stands on) or at a call's argument."""
+    found: set[tuple[str, int, float]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp):
+            found |= {(name, 1, value) for side in (node.left, node.right) if (value := _value(side)) is not None
+                      for name in _OPERATORS.get(type(node.op), ())}
+        elif isinstance(node, ast.Call):
+            name = _call_name(node)
+            offset = 1 if isinstance(node.func, ast.Attribute) and not _on_module(node.func.value) else 0
+            found |= {(name or "", index + offset, value) for index, argument in enumerate(node.args)
+                      if (value := _value(argument)) is not None}
+    return found
+
+
+def _value(node: ast.AST) -> float | None:
+    """The value of arithmetic on numbers written out (``0.5``, ``-1``, ``1 / 3``, ``2 ** 0.5``), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = _value(node.operand)
+        return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = _value(node.left), _value(node.right)
+        if left is None or right is None or (isinstance(node.op, ast.Pow) and abs(right) > 64):
+            return None
+        try:
+            return float(_ARITHMETIC[type(node.op)](left, right))
+        except (ArithmeticError, ValueError, TypeError):
+            return None
+    return _literal(node)
+
+
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b, ast.FloorDiv: lambda a, b: a // b,
+               ast.Mod: lambda a, b: a % b}
+
+
+def _math_call(node: ast.expr) -> bool:
+    """``math.sqrt(d)``: a Python number, whatever its arguments (``.float()`` on them raises)."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+        node.func.value, ast.Name) and node.func.value.id == "math"
+
+
+def _python_number(node: ast.expr) -> bool:
+    """Whether an expression cannot hold a tensor: numbers written out, ``math`` calls, arithmetic of them."""
+    if isinstance(node, ast.BinOp):
+        return _python_number(node.left) and _python_number(node.right)
+    return _value(node) is not None or _math_call(node)
+
+
+def _may_be_number(node: ast.expr) -> bool:
+    """Whether an expression may hold a Python number: a name, an attribute, an item, and arithmetic of them."""
+    if isinstance(node, ast.BinOp):
+        return _may_be_number(node.left) and _may_be_number(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return _may_be_number(node.operand)
+    return isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)) or _python_number(node)
 
 
 def _literal(node: ast.AST) -> float | None:

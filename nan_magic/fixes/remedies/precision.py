@@ -46,6 +46,9 @@ class Float32:
         #: (``torch.mul(h, scale)`` with ``scale = 0.5``: ``("mul", 1, 0.5)``): the edit writes no ``.float()`` on a
         #: name that holds one (a value not written out on the line).
         self.numbers: set[tuple[str, int, float]] = set()
+        #: ``(function name, positional arguments, a keyword argument was a tensor)`` of each call: F.leaky_relu
+        #: hands torch its slope as a keyword (``negative_slope``) where the line wrote it second.
+        self.positional: set[tuple[str, int, bool]] = set()
 
     def renewed(self) -> Float32:
         """The same remedy, nothing recorded yet (step.py's second trial of it, in every module that runs the line)."""
@@ -53,8 +56,10 @@ class Float32:
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         # (every call at the line: one the trial left as it was, its operand already float32, is edited too)
-        self.numbers |= {(function_name(func), index, float(value)) for index, value in enumerate(args)
-                         if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        name = function_name(func)
+        self.numbers |= {(name, index, float(value)) for index, value in enumerate(args)
+                         if isinstance(value, (int, float))}  # (a bool too: True.float() raises as 0.5 does)
+        self.positional.add((name, len(args), any(isinstance(value, torch.Tensor) for value in kwargs.values())))
         return float32(func, args, kwargs)
 
 

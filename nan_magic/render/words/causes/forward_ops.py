@@ -48,8 +48,9 @@ def _log_hint(event: Report, cause: Cause) -> str:
     # A cause written before it carried its counts (a saved scene) has the event's: -inf from zeros, NaN below 0.
     zeros, negatives = cause.fact("zeros", event.neginf), cause.fact("negatives", event.nan)
     base = cause.fact("base")
-    bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
-           else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
+    if base == "log1p":  # log1p(x) is log(1 + x): its -inf is at x = -1 (counted as zeros), its NaN below -1
+        return _log1p_hint(event, zeros, negatives)
+    bad = f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}"
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
     signs = ("xlogy(x, y) is x * log(y): ±inf where y is 0 (+inf where x < 0), NaN where y is negative"
              if base == "xlogy" else "-inf from zeros, NaN from negatives")
@@ -57,6 +58,21 @@ def _log_hint(event: Report, cause: Cause) -> str:
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: {signs}; clamp to "
         f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
         "log-probabilities (logdet for a determinant)"
+    )
+
+
+#: -1 + torch.finfo(dtype).eps to 8 digits (float64's is -1 + 2.2e-16).
+_SHIFTED_BOUNDS = {"float16": "-0.99902344", "bfloat16": "-0.9921875", "float64": "-1 + 2.2e-16"}
+
+
+def _log1p_hint(event: Report, at_minus_one: int, below: int) -> str:
+    # The clamp the eps remedy verifies, -1 + the dtype's eps (remedies/domain.py), as the edit writes it.
+    bound = _SHIFTED_BOUNDS.get(event.dtype or "", "-0.99999988")
+    return (
+        f"log1p got {counted(at_minus_one, 'value')} at -1 and {counted(below, 'value')} below -1 in "
+        f"{input_named(event, at_minus_one, below)}: log1p(x) is log(1 + x), -inf at -1 and NaN below it; clamp "
+        f"to -1 + eps first (x.clamp_min({bound})), or compute it from logits (F.logsigmoid(-z) for log(1 - "
+        "sigmoid(z)), F.binary_cross_entropy_with_logits for a BCE)"
     )
 
 
