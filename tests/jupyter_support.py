@@ -179,6 +179,13 @@ def report_text(cell: Any) -> str:
                      if output.output_type == "display_data" and "text/html" in output.data)
 
 
+def unwatched_truth(text: str) -> list[str]:
+    """The fields of the ``unwatched | a | b ...`` line a notebook's own unwatched run printed (in ``text``): what a
+    report whose facts hang on this machine's rounding is checked against, in the same kernel."""
+    (line,) = [line for line in text.splitlines() if line.startswith("unwatched |")]
+    return line.split(" | ")[1:]
+
+
 def one_line_usage_error(cell: Any, start: str) -> None:
     (usage,) = cell_text(cell).strip().splitlines()
     assert usage.startswith(start), usage

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import cell_text, named_cell, one_line_usage_error, report_text, run_copy, short_error
+from jupyter_support import (
+    cell_text,
+    named_cell,
+    one_line_usage_error,
+    report_text,
+    run_copy,
+    short_error,
+    unwatched_truth,
+)
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -29,28 +37,37 @@ def run(name: str, tmp_path: Path) -> Any:
     return run_copy(WALK, name, tmp_path)
 
 
+def vit_truth(nb: Any) -> tuple[int, str, str, str]:
+    """Where the same training, run unwatched on a copy in the same kernel (the notebook's ``unwatched`` cell), first
+    overflowed an attention's exp: step, module, ``"N +inf of M"`` and the exp input's max. bfloat16 matmuls round
+    differently on each CPU's kernels (step 26, 29 and 33 under ATen's avx2, avx512 and default kernels of one AMD
+    EPYC), so the report is checked against this run's truth, not a constant."""
+    step, module, count, top = unwatched_truth(cell_text(named_cell(nb, "unwatched")))
+    return int(step), module, count, top
+
+
 def test_the_bf16_vit_whose_attention_overflows(tmp_path: Path) -> None:
     nb = run("vit_bf16.ipynb", tmp_path)
     one_line_usage_error(named_cell(nb, "bad_option"),
                          "UsageError: %%nantrace: unrecognized arguments: --opts (did you mean --ops?);")
+    step, module, count, top = vit_truth(nb)
     short = short_error(named_cell(nb, "train"))
-    # 8 batches an epoch: epoch 3's 2nd batch is step 25
-    assert short[0] == "NonFiniteError: first non-finite value in forward step 25: blocks.1.attn (Attention)", short
-    assert short[1] == "  op aten.exp.default at Cell In[3], line 10 (1 +inf of 32768)", short
+    assert short[0] == f"NonFiniteError: first non-finite value in forward step {step}: {module} (Attention)", short
+    assert short[1] == f"  op aten.exp.default at Cell In[3], line 10 ({count})", short
     assert "Cell In[4], line 4, in train_one_epoch" in short and short[-2:] == [
         "    weights = scores.exp()", "%tb shows the full traceback, %debug opens the debugger"], short
     summary = cell_text(named_cell(nb, "summary"))
-    assert summary.startswith("forward 'blocks.1.attn' aten.exp.default 10 25\nexp-overflow: aten.exp.default in "
-                              "blocks.1.attn (Attention) overflowed bfloat16 in 1 element"), summary
+    assert summary.startswith(f"forward '{module}' aten.exp.default 10 {step}\nexp-overflow: aten.exp.default in "
+                              f"{module} (Attention) overflowed bfloat16 in {count.split()[0]} element"), summary
     # Was "stable None": "not a fix, though the step came out finite ... the max does not cancel here" (the bf16
     # exp's rounding read as a changed value); the next line divides by the sum: it is a softmax (test_user_s31.py).
     assert "\nstable True the exp max-subtracted" in summary and "\nfloat32 False " in summary
     text = report_text(named_cell(nb, "train"))
-    assert "Fixes tried on a replay of step 25" in text and "1 of 2 verified" in text
+    assert f"Fixes tried on a replay of step {step}" in text and "1 of 2 verified" in text
     assert "does not cancel" not in text
     debug = cell_text(named_cell(nb, "debug"))
     assert "---> 10         weights = scores.exp()" in debug and "torch.Size([32, 4, 16, 16])" in debug
-    assert "tensor(89.5000, dtype=torch.bfloat16)" in debug
+    assert top in debug
     assert "---> 21         x = x + self.attn(self.norm1(x))" in debug and "torch.Size([32, 16, 64])" in debug
     assert cell_text(named_cell(nb, "rerun")).startswith("done 2 ")
 

@@ -123,8 +123,7 @@ def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepO
     The trial remedies the producing module alone (its output_change is that module's), but an edit of the line
     changes every module that runs it: a helper each attention layer calls, a block repeated. Where the other
     modules' calls of the line go non-finite too, the producing module's trial fails though the edit, by hand,
-    trains on: the edit's own trial is the one to report. A remedy with a second replay of its own (remedies/stable.py's
-    check) or without ``renewed`` is not tried again.
+    trains on: the edit's own trial is the one to report. A remedy object without ``renewed`` is not tried again.
     """
     outcome = replay_step(step, site, remedy)
     fresh = getattr(remedy, "renewed", None)

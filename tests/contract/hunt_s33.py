@@ -339,15 +339,21 @@ class ExactGP(nn.Module):
 
 
 def _gp(jitter: float) -> Scenario:
-    """Step 2's batch holds a duplicated point (a sensor logged twice): ``K`` is nearly singular, and with jitter 0 (the
-    noise ``exp(-20)`` adds nothing in float32) the Cholesky succeeds on a pivot of 1e-9, the loss is 3.6e7 and the
-    update throws the log-lengthscale to -7019: at step 3 the lengthscale is 0, the kernel's division is ``0 / 0``
-    and ``x / 0``, and ``torch.linalg.cholesky`` of that NaN matrix raises ``LinAlgError``. Every mode names the
-    division (the error comes after it). The twin adds GPyTorch's jitter of 1e-4."""
+    """Step 2's batch holds a sensor logged twice, its second reading 2e-3 off the first in each coordinate: ``K`` is
+    nearly singular, and with jitter 0 (the noise ``exp(-20)`` adds nothing in float32) the Cholesky's smallest pivot
+    is about 2e-6, the loss about 1e6 and the update throws the log-lengthscale below -6e4: at step 3 the lengthscale
+    is exactly 0, the kernel's division is ``0 / 0`` and ``x / 0``, and ``torch.linalg.cholesky`` of that NaN matrix
+    raises ``LinAlgError``. Every mode names the division (the error comes after it). The twin adds GPyTorch's jitter
+    of 1e-4 (pivot 2e-4, log-lengthscale about -12.5, finite).
+
+    The offset is what makes this any CPU's run: 2e-6 is some thirty float32 roundings of a kernel entry near 1, so
+    the pivot's sign and the step's size do not hang on LAPACK's or a BLAS's last bits (float32 gives -6.5e4 to
+    -7.7e4 across ATen's CPU kernels, float64 -7.8e4; ``exp`` is 0 below -104). An exact duplicate's pivot was
+    rounding noise: its sign, and the incident, differed between CPUs."""
     torch.manual_seed(0)
     model = ExactGP(jitter)
     xs, ys = _batches(8, 2), _batches(8)
-    xs[2][5] = xs[2][2]
+    xs[2][5] = xs[2][2] + 2e-3
     return _loop(model, lambda step: (xs[step], ys[step]), lambda out, step: out)
 
 

@@ -118,6 +118,12 @@ class StableFix:
         #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
         self.checked = 0.0
 
+    def renewed(self) -> StableFix:
+        """A fresh remedy of this form, tried in every module that runs the line where the producing module's trial
+        stays non-finite (step.replay_at_line): two repeated attention blocks whose exps overflow in one step are
+        both fixed by an edit of the line. :func:`changes_value` then checks the trial at that wider site."""
+        return type(self)(self.function, offsets=self.offsets, softplus=self.softplus)
+
     def seen(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], result: Any, at_line: bool = False
              ) -> None:
         """A call the producing module made (anywhere in it; ``at_line``: at the producer's line): a softmax's,
@@ -240,9 +246,7 @@ class StableFix:
 
 
 class _Softplus(StableFix):
-    """The softplus form alone, renewable: tried again in every module that runs the line where the producing
-    module's trial stays non-finite (step.replay_at_line; a block repeated). The max-subtracted exp has a second
-    replay of its own (:func:`changes_value`) and is not tried again."""
+    """The softplus form alone (:func:`stable_replay` tries it first)."""
 
     def __init__(self) -> None:
         super().__init__("exp", softplus=True)
