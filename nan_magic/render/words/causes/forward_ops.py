@@ -48,6 +48,10 @@ def _log_hint(event: Report, cause: Cause) -> str:
     # A cause written before it carried its counts (a saved scene) has the event's: -inf from zeros, NaN below 0.
     zeros, negatives = cause.fact("zeros", event.neginf), cause.fact("negatives", event.nan)
     base = cause.fact("base")
+    if base == "xlog1py":  # x * log1p(y): its edge is y = -1, and the clamp is on y
+        return (f"xlog1py got {counted(zeros, 'value')} at -1 and {counted(negatives, 'value')} below -1 in "
+                f"{input_named(event, zeros, negatives)}: xlog1py(x, y) is x * log1p(y): ±inf where y is -1, NaN "
+                f"below it; clamp y first (y.clamp_min(-1 + {_eps(event)}))")
     bad = (f"{counted(negatives, 'value')} <= -1" if base == "log1p"
            else f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}")
     half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
