@@ -138,3 +138,98 @@ def test_a_healthy_entropy_with_zeros_is_silent_and_bit_identical() -> None:
     net.zero_grad()
     net(x).sum().backward()
     assert torch.equal(watched, net[0].weight.grad)
+
+
+# -- the failing step's constant-feature warning: only where the cause is a division the batch can make ----------
+
+
+class OneHotAmount(nn.Module):
+    """One-hot categories beside an amount whose log1p is taken: nothing standardises anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.cat([x, x[:, 3:4].log1p()], 1))
+
+
+def _one_hot_batches(absent_at: tuple[int, ...]) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    batches = []
+    for i in range(5):
+        category = torch.randint(0, 3, (16,))
+        if i in absent_at:
+            category[category == 2] = 0  # category 2 absent: its one-hot column constant (= 0) over the batch
+        amount = torch.rand(16, 1) * 10
+        if i == 3:
+            amount[5] = -3.0  # a corrupt record: log1p(-3) is NaN
+        batches.append(torch.cat([nn.functional.one_hot(category, 3).float(), amount, torch.randn(16, 1)], 1))
+    return batches
+
+
+def test_a_log_of_a_negative_at_a_step_with_a_constant_one_hot_column_has_no_std_warning() -> None:
+    """Was: "feature 2 (= 0); standardising it divides by a zero std" on a log1p's NaN that no std made."""
+    model = OneHotAmount()
+    with pytest.raises(NonFiniteError) as caught, watch(model, fixes=False):
+        for batch in _one_hot_batches(absent_at=(3,)):
+            model(batch).pow(2).mean().backward()
+    report = caught.value.report
+    assert report.step == 3 and report.op == "aten.log1p.default" and report.cause.label == "log-domain"
+    assert [warning for warning in report.warnings if warning.kind == "constant-feature"] == []
+    assert "divides by a zero std" not in str(report)
+
+
+class PaddedPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = (self.emb(ids) * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return self.out(h).exp().log()  # exp(-200) underflows to 0: log(0) = -inf
+
+
+def test_a_log_of_zero_beside_an_all_ones_padding_mask_has_no_std_warning() -> None:
+    """Another form: a 0/1 padding mask all ones at the failing step (constant columns of 1), a log(0) event."""
+    torch.manual_seed(0)
+    model = PaddedPool()
+    ids = [torch.randint(0, 50, (8, 6)) for _ in range(4)]
+    masks = [torch.ones(8, 6) for _ in range(4)]
+    for mask in masks[:3]:
+        mask[0, 4:] = 0
+    with pytest.raises(NonFiniteError) as caught, watch(model, fixes=False):
+        for i, (t, m) in enumerate(zip(ids, masks)):
+            if i == 3:
+                with torch.no_grad():
+                    model.out.bias.fill_(-200.0)
+            model(t, m).sum().backward()
+    report = caught.value.report
+    assert report.step == 3 and report.op == "aten.log.default" and report.cause.label == "log-domain"
+    assert [warning.step for warning in report.warnings if warning.kind == "constant-feature"] == [0], \
+        report.warnings  # (step 0's is the watch's own reading: its mask has columns of 1 there too)
+
+
+class RowStandardize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
+
+
+def test_a_division_at_a_step_whose_constant_column_was_warned_already_warns_once() -> None:
+    """Was: the step-0 warning and the replay's step-3 one, the same words twice; the watch's repeat limit keeps one.
+    A row standardisation divides by a blank row's zero std at step 3; column 5 (an unused one-hot) is 0 throughout."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    x[:, 5] = 0.0
+    x[48 + 7] = 0.0  # a blank record in batch 3
+    model = nn.Sequential(RowStandardize(), nn.Linear(6, 1))
+    with pytest.raises(NonFiniteError) as caught, watch(model, fixes=False):
+        for i in range(0, 64, 16):
+            model(x[i:i + 16]).sum().backward()
+    report = caught.value.report
+    assert report.step == 3 and report.op == "aten.div.Tensor" and report.cause.label == "division-by-zero"
+    warned = [warning for warning in report.warnings if warning.kind == "constant-feature"]
+    assert [warning.step for warning in warned] == [0], warned
+    assert dict(warned[0].facts)["constant"] == ((5, 0.0),)
+    assert str(report).count("standardising it divides by a zero std") == 1
