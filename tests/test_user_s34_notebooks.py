@@ -22,7 +22,7 @@ from typing import Any
 
 import nbformat
 import pytest
-from jupyter_support import REPO, cell_text, named_cell, run_copy
+from jupyter_support import REPO, cell_text, named_cell, report_text, run_copy, short_error
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -31,19 +31,6 @@ WALK = Path(__file__).parent / "notebooks" / "user_s34"
 
 def run(name: str, tmp_path: Path) -> Any:
     return run_copy(WALK, name, tmp_path)
-
-
-def short_error(cell: Any) -> list[str]:
-    """The lines of the cell's error output: what stands under the cell above the report."""
-    (error,) = [output for output in cell.outputs if output.output_type == "error"]
-    assert error.ename == "NonFiniteError"
-    return cell_text(type(cell)(outputs=[error])).splitlines()
-
-
-def report_text(cell: Any) -> str:
-    """The report's text as a frontend without widgets shows it (the static twin's text/plain)."""
-    return "\n".join(output.data["text/plain"] for output in cell.outputs
-                     if output.output_type == "display_data" and "text/html" in output.data)
 
 
 def printed(cell: Any) -> str:
@@ -78,6 +65,19 @@ def as_script(name: str, cells: tuple[str, ...], tmp_path: Path) -> str:
 def notebook_said(short: list[str]) -> str:
     """The short error's two lines as the script's one: ``<headline>, op <op> at LOC (<counts>)``."""
     return _PLACE.sub("LOC", f"{short[0]}, {short[1].strip()}")
+
+
+_TRAIN_CELLS = ("setup", "data", "model", "helper", "train")
+
+
+def assert_reran_and_script_agrees(nb: Any, name: str, short: list[str], tmp_path: Path, done: str | None = "done ",
+                                   cells: tuple[str, ...] = _TRAIN_CELLS) -> None:
+    """The re-run after the fix printed ``done`` (None: the walk has none), and the same code as a plain script
+    under ``python -m nan_magic run`` names the event the notebook's short error named."""
+    if done is not None:
+        assert printed(named_cell(nb, "rerun")).startswith(done)
+    script = as_script(name, cells, tmp_path)
+    assert script == notebook_said(short), script
 
 
 def test_the_regressor_whose_batch_standardisation_meets_a_constant_column(tmp_path: Path) -> None:
@@ -116,9 +116,7 @@ def test_the_regressor_whose_batch_standardisation_meets_a_constant_column(tmp_p
     assert split[:2] == ["NonFiniteError: first non-finite value in forward step 0: norm (BatchStandardize)",
                          "  op aten.div.Tensor at Cell In[3], line 3 (32 nan of 192)"], split
     assert "feature 5 (= 0); standardising it divides by a zero std" in report_text(named_cell(nb, "split_forward"))
-    assert printed(named_cell(nb, "rerun")).startswith("done 1 ")
-    script = as_script(name, ("setup", "data", "model", "helper", "train"), tmp_path)
-    assert script == notebook_said(short), script
+    assert_reran_and_script_agrees(nb, name, short, tmp_path, done="done 1 ")
 
 
 def test_the_focal_loss_whose_backward_is_infinite_for_a_sure_sample(tmp_path: Path) -> None:
@@ -153,8 +151,8 @@ def test_the_focal_loss_whose_backward_is_infinite_for_a_sure_sample(tmp_path: P
     assert cell_text(named_cell(nb, "summary2")).startswith("backward None aten.pow.Tensor_Scalar 4 2\n")
     assert one_line(named_cell(nb, "off")) == "nan_magic: watch off"
     assert cell_text(named_cell(nb, "hooks")).split() == ["0"]
-    script = as_script(name, ("setup", "data", "model", "helper", "split_forward", "split_step"), tmp_path)
-    assert script == notebook_said(short), script
+    assert_reran_and_script_agrees(nb, name, short, tmp_path, done=None,
+                                   cells=("setup", "data", "model", "helper", "split_forward", "split_step"))
 
 
 def test_sgd_on_unscaled_features_diverges_and_says_the_learning_rate(tmp_path: Path) -> None:
@@ -172,9 +170,7 @@ def test_sgd_on_unscaled_features_diverges_and_says_the_learning_rate(tmp_path: 
     debug = cell_text(named_cell(nb, "debug"))
     assert "----> 4         loss = F.mse_loss(model(X[i:i + bs]), y[i:i + bs])" in debug
     assert "tensor(inf, grad_fn=<MseLossBackward0>)" in debug
-    assert printed(named_cell(nb, "rerun")).startswith("done ")
-    script = as_script(name, ("setup", "data", "model", "helper", "train"), tmp_path)
-    assert script == notebook_said(short), script
+    assert_reran_and_script_agrees(nb, name, short, tmp_path, )
 
 
 def test_the_beta_regression_whose_target_holds_a_one(tmp_path: Path) -> None:
@@ -196,9 +192,7 @@ def test_the_beta_regression_whose_target_holds_a_one(tmp_path: Path) -> None:
     assert "----> 3     return -Beta(a, b).log_prob(yb).mean()" in debug and "tensor(1.)" in debug
     assert "----> 7         loss = nll(model, X[i:i + bs], frac[i:i + bs])" in debug
     assert debug.rstrip().endswith("120")
-    assert printed(named_cell(nb, "rerun")).startswith("done ")
-    script = as_script(name, ("setup", "data", "model", "helper", "train"), tmp_path)
-    assert script == notebook_said(short), script
+    assert_reran_and_script_agrees(nb, name, short, tmp_path, )
 
 
 def test_the_policy_whose_replayed_action_sits_on_tanhs_bound(tmp_path: Path) -> None:
@@ -221,7 +215,5 @@ def test_the_policy_whose_replayed_action_sits_on_tanhs_bound(tmp_path: Path) ->
     assert "---> 12         u = torch.atanh(a)" in debug and "tensor(1.)" in debug
     assert "----> 3         loss = -policy.log_prob(obs[i:i + bs], actions[i:i + bs]).mean()" in debug
     assert debug.rstrip().endswith("200")
-    assert printed(named_cell(nb, "rerun")).startswith("done 2 ")
     assert one_line(named_cell(nb, "off")) == "nan_magic: watch off"
-    script = as_script(name, ("setup", "data", "model", "helper", "train"), tmp_path)
-    assert script == notebook_said(short), script
+    assert_reran_and_script_agrees(nb, name, short, tmp_path, done="done 2 ")

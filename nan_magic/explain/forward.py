@@ -80,17 +80,23 @@ def _overflow_beside_neginf(base: str, report: Report) -> bool:
 
 
 def _log(report: Report) -> Cause:
-    """A log of finite operands is -inf at 0 and NaN below it; ``xlogy(x, 0)`` is ``x * -inf``, so +inf where its
-    coefficient is negative (a Dirichlet's or Beta's concentration below 1 at a value on its support's edge): counted
-    as a zero only where the log's operand held zeros (``1e38 * log(1e38)`` is an overflow)."""
+    """A log of finite operands is -inf at 0 and NaN below it. ``xlogy(x, y)`` is ``x * log(y)``, ±inf where y = 0
+    and x != 0 (a Beta's or Dirichlet's concentration below 1 at its support's edge), ``xlog1py`` the same at
+    y = -1: only the infinities the op's run counted at that edge (the ``log-edge`` note) are a log of zero; y holds
+    zeros on purpose in an entropy or a Poisson likelihood (paired with x = 0), so the rest is an overflow, and
+    without the count a +inf is not called a zero."""
     base = op_function(report.op)
     zeros, negatives = report.neginf, report.nan
-    logged = report.operand("other")
-    if base == "xlogy" and logged is not None and logged.zeros:
-        zeros += report.posinf
+    if base in _X_LOG_OPS:
+        edge = next((note.fact("count") for note in report.note_facts if note.kind == "log-edge"), None)
+        zeros, base = edge if edge is not None else report.neginf, base.removeprefix("special_")
     if not zeros + negatives:
         return overflow(report)
     return event_cause("log-domain", "log-domain", report, base=base, zeros=zeros, negatives=negatives)
+
+
+#: ``x * log(y)`` ops: their log's edge is read at the op's run (localize/ops/log_edge.py).
+_X_LOG_OPS = frozenset({"xlogy", "special_xlogy", "special_xlog1py", "xlog1py"})
 
 
 def _sqrt(report: Report) -> Cause:
@@ -273,7 +279,7 @@ def _ctc(report: Report) -> Cause:
 _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     # xlogy(x, y) = x * log(y): -inf where y is 0 and x > 0 (a Beta's or Dirichlet's log_prob of a value at its
     # support's edge, 0 or 1), NaN where y < 0; the log's rule, its operand ``other``.
-    **dict.fromkeys(("log", "log2", "log10", "log1p", "xlogy"), _log),
+    **dict.fromkeys(("log", "log2", "log10", "log1p", *_X_LOG_OPS), _log),
     "sqrt": _sqrt,
     "rsqrt": _rsqrt,
     **dict.fromkeys(("acos", "asin", "arccos", "arcsin"), _inverse_trig),

@@ -27,8 +27,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import is_checkable_op_value
 from nan_magic.hot.stats import sample_values, tensor_stats
+from nan_magic.localize.ops.log_edge import LOG_EDGES
 from nan_magic.plain import to_pairs
 from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["BENIGN", "Benign", "OpFinding", "Origin", "Origins", "Picked", "apply_op_finding", "attach_origin", "dense"]
 
@@ -81,6 +83,9 @@ class OpFinding:
     node_number: int | None = None
     #: The torch function the line called whose own number the op read (``logdet``: called.py), else None.
     own_number: str | None = None
+    #: An ``x * log(y)`` op's infinities where y was at its log's edge (xlogy's 0, xlog1py's -1), counted when it
+    #: ran (log_edge.py); None for another op.
+    log_edge: int | None = None
     #: Ops mode: the loop ran the op in its data region (before the step's first model call, outside every watched
     #: module) on tensors no parameter nor model output went into (derived.ModelDerived): phase data (PRODUCT.md).
     from_data: bool = False
@@ -368,6 +373,10 @@ def apply_op_finding(
     if op.own_number is not None:  # (the non-finite number is torch's own, inside the function the line called)
         finding.numbers = [(name, value) for name, value in finding.numbers if math.isfinite(value)]
         finding.notes.append(Note.of("own-number", function=op.own_number))
+    if op.log_edge is not None:  # (xlogy's infinities where its y was 0: explain/forward.py's _log reads them)
+        function = op_function(op.op)
+        finding.notes.append(Note.of("log-edge", function=function.removeprefix("special_"), count=op.log_edge,
+                                     edge=LOG_EDGES[function]))
     # The tracer keeps the op's output, then its operands by schema name.
     operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:

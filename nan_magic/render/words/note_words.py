@@ -32,6 +32,7 @@ _TEMPLATES: dict[str, str] = {
     # localize/ops/called.py: a number torch passed itself
     "own-number": "the non-finite number the op was given is torch's own: torch.{function}, which the line calls, "
                   "is a composite that passes it (not a number the code set)",
+    "log-edge": "{function}'s output is infinite in {count:~element} where its y is {edge:g}, its log's edge",
     # localize/outside/loop_writes.py: a step's non-finite learning rate, made by the loop's code
     "lr-made-by-loop": "the learning rate lr = {lr} was set by the loop from a tensor its code computed: "
                        "{op} at line {line} made it, before the step read it (not a rate too high)",

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from nan_magic.explain.diagnose import diagnose
+from nan_magic.hot.checks.early import WARN_EVERY
 from nan_magic.hot.kept.buffer_copies import BufferCopies
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.parameter_writes import Written
@@ -55,7 +56,7 @@ from nan_magic.localize.replay.tiered.root_calls import NestedWatch, Outcome, Ro
 from nan_magic.localize.replay.tiered.step_keeping import _NO_PARAMETERS, MAX_CALLS, StepKeeping, _Cycle
 from nan_magic.options import WatchConfig
 from nan_magic.plain import to_pairs
-from nan_magic.records import EarlyWarning, Note, Phase, Report, TensorRef, TensorRole
+from nan_magic.records import Cause, EarlyWarning, Note, Phase, Report, TensorRef, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.errors.exceptions import NonFiniteError
@@ -324,6 +325,7 @@ class StepReplays(StepKeeping):
         watch = self.watch
         # How the event was met, which the replay cannot know: torch's anomaly mode stopped the user's backward.
         met = tuple(note for note in seen.note_facts if note.kind == "anomaly-raised") if seen else ()
+        replayed = report
         report = dataclasses.replace(
             report,
             step=step,
@@ -332,14 +334,16 @@ class StepReplays(StepKeeping):
             # (the watched optimizers' weight decay, read as the step's check saw the event: the nested watch has none)
             optimizer_decay=report.optimizer_decay or (seen.optimizer_decay if seen else None),
             history=tuple(watch.history),
-            warnings=(*watch.warnings, *_batch_warnings(report, watch.warnings, step)),
+            warnings=tuple(watch.warnings),
             reproduced=True,
             models_watched=len(watch.targets.roots),
             ops=watch.config.ops,
             note_facts=(*report.note_facts, Note.of("step-replayed", step=step), *met),
         )
         # The cause reads the run's history (a diverging loss), which the replay did not have.
-        return dataclasses.replace(report, cause=diagnose(report))
+        cause = diagnose(report)
+        batch = _batch_warnings(replayed, watch.warnings, step) if _divides_by_the_batch(cause) else ()
+        return dataclasses.replace(report, cause=cause, warnings=(*report.warnings, *batch))
 
     @staticmethod
     def _not_replayed(seen: Report, why: Note) -> Report:
@@ -351,14 +355,26 @@ class StepReplays(StepKeeping):
         return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
 
 
+#: The readings of a division by a zero the batch can make (a per-batch std or variance, a norm without eps): a
+#: feature constant over the failing step's batch is the reason for these only (not a log's zero, not a weight's).
+_BATCH_DIVISIONS = frozenset({"division-by-zero", "rsqrt-zero", "norm-eps-zero"})
+
+
+def _divides_by_the_batch(cause: Cause) -> bool:
+    return cause.label == "division-by-zero" and cause.reading in _BATCH_DIVISIONS
+
+
 def _batch_warnings(replayed: Report, seen: Sequence[EarlyWarning], step: int) -> tuple[EarlyWarning, ...]:
     """The replay's reading of the failing step's own batch (a feature constant over it), as of ``step``.
 
     The watch reads a batch's features at its first step and every 8th only (hot/checks/early.py); the replay is the
     failing step's first, so it read them: a per-batch standardisation that divides by a column constant in batch 3
-    is told which column, as it is at step 0. Not where the watch said it of this step already.
+    is told which column, as it is at step 0. Not where the watch said it of this step already, nor where it said
+    the same columns within its repeat limit (:data:`~nan_magic.hot.checks.early.WARN_EVERY` steps).
     """
     if any(warning.kind == "constant-feature" and warning.step == step for warning in seen):
         return ()
+    said = {(warning.facts, warning.value) for warning in seen
+            if warning.kind == "constant-feature" and 0 <= step - warning.step < WARN_EVERY}
     return tuple(dataclasses.replace(warning, step=step) for warning in replayed.warnings
-                 if warning.kind == "constant-feature")
+                 if warning.kind == "constant-feature" and (warning.facts, warning.value) not in said)

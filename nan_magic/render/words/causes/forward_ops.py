@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from nan_magic.records import Cause, Report, TensorRole
 from nan_magic.render.words.causes.domain_edges import edge_hint
+from nan_magic.render.words.causes.logs import log_hint, suggested_eps
 from nan_magic.render.words.causes.phrases import (
     Reading,
     constant_inputs,
@@ -37,43 +38,6 @@ __all__ = ["OP_READINGS"]
 def _made(counted: Callable[[Report], str]) -> Callable[[Report, Cause], tuple[str, ...]]:
     """Evidence that the op made ``counted`` values from finite inputs, then the inputs."""
     return lambda event, _cause: (f"{event.op} made {counted(event)} from finite inputs", *input_lines(event))
-
-
-def _eps(event: Report) -> str:
-    """An eps to suggest in the event's dtype: 1e-12 (and 1e-8) are 0 in float16, whose smallest normal is 6.1e-5."""
-    return "1e-4" if event.dtype == "float16" else "1e-12"
-
-
-def _log_hint(event: Report, cause: Cause) -> str:
-    # A cause written before it carried its counts (a saved scene) has the event's: -inf from zeros, NaN below 0.
-    zeros, negatives = cause.fact("zeros", event.neginf), cause.fact("negatives", event.nan)
-    base = cause.fact("base")
-    if base == "log1p":  # log1p(x) is log(1 + x): its -inf is at x = -1 (counted as zeros), its NaN below -1
-        return _log1p_hint(event, zeros, negatives)
-    bad = f"{counted(zeros, 'zero')} and {counted(negatives, 'negative')}"
-    half = " (in float16 an eps below 3e-8, such as 1e-8, rounds to 0)" if event.dtype == "float16" else ""
-    signs = ("xlogy(x, y) is x * log(y): ±inf where y is 0 (+inf where x < 0), NaN where y is negative"
-             if base == "xlogy" else "-inf from zeros, NaN from negatives")
-    return (
-        f"{base} got {bad} in {input_named(event, zeros, negatives)}: {signs}; clamp to "
-        f"eps first (x.clamp_min({_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
-        "log-probabilities (logdet for a determinant)"
-    )
-
-
-#: -1 + torch.finfo(dtype).eps to 8 digits (float64's is -1 + 2.2e-16).
-_SHIFTED_BOUNDS = {"float16": "-0.99902344", "bfloat16": "-0.9921875", "float64": "-1 + 2.2e-16"}
-
-
-def _log1p_hint(event: Report, at_minus_one: int, below: int) -> str:
-    # The clamp the eps remedy verifies, -1 + the dtype's eps (remedies/domain.py), as the edit writes it.
-    bound = _SHIFTED_BOUNDS.get(event.dtype or "", "-0.99999988")
-    return (
-        f"log1p got {counted(at_minus_one, 'value')} at -1 and {counted(below, 'value')} below -1 in "
-        f"{input_named(event, at_minus_one, below)}: log1p(x) is log(1 + x), -inf at -1 and NaN below it; clamp "
-        f"to -1 + eps first (x.clamp_min({bound})), or compute it from logits (F.logsigmoid(-z) for log(1 - "
-        "sigmoid(z)), F.binary_cross_entropy_with_logits for a BCE)"
-    )
 
 
 def _gamma_hint(event: Report, cause: Cause) -> str:
@@ -197,7 +161,7 @@ def _division_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
         f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
-        f"x / norm.clamp_min({_eps(event)})); if it is a count, clamp it to >= 1"
+        f"x / norm.clamp_min({suggested_eps(event)})); if it is a count, clamp it to >= 1"
     )
 
 
@@ -470,7 +434,7 @@ def _attention_unmatched_hint(event: Report, cause: Cause) -> str:
 
 OP_READINGS: dict[str, Reading] = {
     "nonfinite-number": on_event(_number_hint, _number_evidence, sentence=False),
-    "log-domain": on_event(_log_hint, _made(counts), sentence=False),
+    "log-domain": on_event(log_hint, _made(counts), sentence=False),
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     **dict.fromkeys(("atanh-edge", "logit-edge", "icdf-edge"), on_event(edge_hint, _made(counts), sentence=False)),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),

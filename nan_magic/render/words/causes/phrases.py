@@ -188,8 +188,9 @@ def input_named(report: Report, zeros: int, negatives: int) -> str:
     The module's own input is the name the user knows; the op's ``self`` is
     named when no module input matches (the op ran on an intermediate value).
     """
-    # xlogy(x, y) = x * log(y): the log's operand is ``other`` (y); ``self`` (x) only multiplies.
-    domain, multiplier = ("other", "self") if report.op and op_function(report.op) == "xlogy" else ("self", None)
+    # xlogy(x, y) = x * log(y): the log's operand is ``other`` (y); ``self`` (x) only multiplies (xlog1py's too).
+    x_log = report.op is not None and op_function(report.op).removeprefix("special_") in ("xlogy", "xlog1py")
+    domain, multiplier = ("other", "self") if x_log else ("self", None)
     matching = [
         ref for ref, stats in report.input_stats
         if (stats.zeros, stats.negatives) == (zeros, negatives) and not stats.nonfinite
