@@ -24,6 +24,7 @@ from torch import nn
 from watching import FIVE_MODES
 
 import nan_magic
+from nan_magic.hot.watched.module_hooks import is_watch_hook
 from nan_magic.patches import registry as patches
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -248,6 +249,43 @@ def test_copying_and_saving_the_model_inside_the_watch_works_and_the_copies_carr
     loaded = torch.load(io.BytesIO(kept["file"]), weights_only=False)  # (it loads without nan_magic's code)
     assert all(same(a, b) for a, b in zip(loaded.state_dict().values(), saved.values(), strict=True))
     assert not any(m._forward_hooks or m._forward_hooks_with_kwargs for m in loaded.modules())
+
+
+class _OwnDeepcopy(nn.Sequential):
+    """A model whose own ``__deepcopy__`` copies its ``__dict__``, never asking torch's reduction."""
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+def test_a_deep_copy_by_the_users_own_deepcopy_drops_the_stand_in_at_its_first_call(options: dict) -> None:
+    """The case that keeps the stand-in (docs/how-it-watches.md): a model deep-copied inside the watch by its own
+    ``__deepcopy__`` carries, besides the user's hook, a stand-in for the watch's hook (tiered modes); the copy's first
+    call removes it, runs the user's hook and computes what the model does."""
+    torch.manual_seed(0)
+    model = _OwnDeepcopy(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    seen: list[str] = []
+    model.register_forward_hook(lambda module, args, out: seen.append(type(module).__name__))
+    ours = 0 if options.get("mode") == "full" or options.get("ops") else 1  # (the tiered watch's hook on the model)
+    with nan_magic.watch(model, opt, **options) as w:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        teacher = copy.deepcopy(model)
+        assert len(teacher._forward_hooks) == 1 + ours
+        assert sum(is_watch_hook(hook) for hook in teacher._forward_hooks.values()) == ours
+        seen.clear()
+        with torch.no_grad():
+            got, expected = teacher(x), model(x)
+    assert w.report is None and not w.events
+    assert torch.equal(got, expected)
+    assert seen == ["_OwnDeepcopy", "_OwnDeepcopy"]  # (the copy's user hook, then the model's)
+    assert len(teacher._forward_hooks) == 1 and not any(map(is_watch_hook, teacher._forward_hooks.values()))
 
 
 @pytest.mark.parametrize("options", FIVE_MODES)

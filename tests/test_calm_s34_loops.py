@@ -13,8 +13,9 @@ inside the watched function.
 The finding: a model saved whole (``torch.save(model)``, ``pickle``) or deep-copied inside the watch carried the
 watch's forward hook (as an inert stand-in): in a fresh process without nan_magic, ``torch.jit.script`` of the
 loaded model raised AttributeError ('functools.partial' object has no attribute '__name__'), and so did scripting a
-deep copy made inside the watch, after it, before the copy's first call. Now ``nn.Module.__getstate__`` leaves the
-watch's hooks out while a watch is active (nan_magic/patches/scripting.py): copies carry no hook.
+deep copy made inside the watch, after it, before the copy's first call. Now ``nn.Module.__reduce_ex__`` leaves the
+watch's hooks out while a watch is active (nan_magic/patches/copies.py): copies carry no hook, also those of a class
+with its own ``__getstate__`` or ``__reduce__``; ``copy.copy`` still shares the hook dicts, as torch's does.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "frozen_heap")  # (conf
 def _hooks(model: nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_hooks_with_kwargs)
                + len(m._forward_hooks_always_called) for m in model.modules())
+
+
+#: What torch's shallow copy of a module shares with it (its __dict__'s containers).
+_SHARED = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+           "_modules", "_parameters")
 
 
 def pickled_whole_and_loaded() -> Row:
@@ -108,16 +114,26 @@ def trace_and_script_inside() -> Row:
 
 
 def shallow_copy_called_inside() -> Row:
-    """copy.copy shares the hook dicts with the original: the copy and a copied child are called and backed."""
+    """copy.copy shares the hook dicts with the original, watched as unwatched: a hook of the user's removed from the
+    original leaves the copy, one put on the copy fires on the original's call; the copy and a copied child are called
+    and backed. (Inside a watch, copy.copy went through the state filter for deep copies and got dicts of its own.)"""
     model, x, y = mlp(), *data()
     opt = sgd(model)
 
     def run(watching) -> list:
+        calls: list[str] = []
         with watching():
             out = [_step(model, opt, x, y)]
+            handle = model.register_forward_hook(lambda *_: calls.append("original's"))
             twin, child = copy.copy(model), copy.copy(model[0])
+            assert all(getattr(twin, name) is getattr(model, name) for name in _SHARED)
+            assert all(getattr(child, name) is getattr(model[0], name) for name in _SHARED)
+            handle.remove()
+            twins = twin.register_forward_hook(lambda *_: calls.append("copy's"))
             (twin(x).sum() + child(x).sum()).backward()
             out.append(_step(model, opt, x, y))
+            twins.remove()
+        assert calls == ["copy's", "copy's"]  # (the copy's call, then the original's)
         return out
 
     return Row((model, opt), (model, opt), run)
@@ -277,11 +293,31 @@ print(hooks, bool(torch.equal(torch.jit.script(model)(x), model(x))))
 """
 
 
+def users_hook(module: nn.Module, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+    """A forward hook of the user's that pickles (by name) and scripts."""
+
+
 class OwnState(nn.Sequential):
     """A model with a ``__getstate__`` of its own that does not call torch's (returns its own ``__dict__``)."""
 
     def __getstate__(self) -> dict:
         return self.__dict__
+
+
+class LightningLike(nn.Sequential):
+    """LightningModule's ``__getstate__``: a copy of the ``__dict__``, one entry changed, torch's never called."""
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_trainer"] = None
+        return state
+
+
+class OwnReduce(nn.Sequential):
+    """A ``__reduce__`` of the class's own that returns the state dict."""
+
+    def __reduce__(self) -> tuple:
+        return (self.__class__.__new__, (self.__class__,), dict(self.__dict__))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -303,18 +339,24 @@ def test_a_model_saved_inside_the_watch_scripts_in_a_fresh_process(mode: str, tm
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_getstate_of_the_users_own_keeps_the_inert_stand_in(mode: str) -> None:
-    """The other side: a model whose own __getstate__ bypasses torch's still pickles (the inert stand-in, no
-    nan_magic needed to load it), its live __dict__ untouched, and the stand-in does nothing when called."""
+@pytest.mark.parametrize("kind", [OwnState, LightningLike, OwnReduce])
+def test_a_getstate_or_reduce_of_the_users_own_leaves_our_hook_out_too(kind: type, mode: str) -> None:
+    """A model whose own __getstate__ or __reduce__ bypasses torch's, pickled and deep-copied inside the watch: the
+    copies carry the user's hook and none of ours (they carried the stand-in: torch.jit.script of them raised), the
+    live model's hooks untouched."""
     torch.manual_seed(0)
-    model, x, y = OwnState(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), *data()
+    model, x, y = kind(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), *data()
     opt = sgd(model)
+    model.register_forward_hook(users_hook)
     with nan_magic.watch(model, opt, **MODE_OPTIONS[mode]) as w:
         _step(model, opt, x, y)
         live = dict(model._forward_hooks)
-        blob = pickle.dumps(model)
+        blob, deep = pickle.dumps(model), copy.deepcopy(model)
         assert dict(model._forward_hooks) == live
-    assert w.report is None and _hooks(model) == 0
-    loaded = pickle.loads(blob)
-    assert len(loaded._forward_hooks) == len(live)
-    assert torch.equal(loaded(x), model(x))
+    assert w.report is None and len(model._forward_hooks) == 1
+    assert not {"__copy__", "__reduce_ex__"} & set(vars(nn.Module))  # (the patches went with the watch)
+    assert len(live) == (1 if MODE_OPTIONS[mode].get("mode") == "full" or MODE_OPTIONS[mode].get("ops") else 2)
+    for copied in (pickle.loads(blob), deep):
+        assert list(copied._forward_hooks.values()) == [users_hook]
+        assert torch.equal(torch.jit.script(copied)(x), model(x))
+        assert torch.equal(copied(x), model(x))

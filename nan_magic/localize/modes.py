@@ -41,11 +41,12 @@ from nan_magic.localize.replay.tiered.root_calls import NestedWatch
 from nan_magic.localize.replay.tiered.step import ReplayHost, StepReplays
 from nan_magic.options import WatchConfig
 from nan_magic.patches.backward import marked_graph_grads, unrecorded_input_grads
+from nan_magic.patches.copies import unhooked_copies
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
 from nan_magic.patches.saved_hooks import listed_saved_hooks
-from nan_magic.patches.scripting import quiet_tracing, unhooked_copies, unhooked_scripting
+from nan_magic.patches.scripting import quiet_tracing, unhooked_scripting
 from nan_magic.patches.swaps import forgotten_before_swaps, unrecorded_swaps
 from nan_magic.patches.zero_grad import unrecorded_zero_grad
 from nan_magic.records import Phase
@@ -91,7 +92,7 @@ class Localizing:
         # the watch's own reads raise: patches/scripting.py.
         stack.enter_context(unhooked_scripting())
         stack.enter_context(quiet_tracing())
-        # A deep copy or pickle of a model made inside the watch carries none of its hooks (patches/scripting.py).
+        # A deep copy or pickle of a model made inside the watch carries none of its hooks (patches/copies.py).
         stack.enter_context(unhooked_copies())
         # The saved-tensor hooks each call starts under, for its replay after the user's ``with`` (saved_hooks.py).
         stack.enter_context(listed_saved_hooks())

@@ -59,10 +59,12 @@ _live: list[ProcessPatch] = []
 class _Installed:
     """One attribute replaced: what we set, what was there, and whether ours still acts."""
 
-    def __init__(self, owner: Any, name: str, wrap: Wrap | SelfGated) -> None:
+    def __init__(self, owner: Any, name: str, wrap: Wrap | SelfGated,
+                 absent: Callable[..., Any] | None = None) -> None:
         self.owner, self.name = owner, name
-        # What the replacement calls: the attribute as code reads it (a classmethod comes bound).
-        original = getattr(owner, name)
+        # What the replacement calls: the attribute as code reads it (a classmethod comes bound), or ``absent``
+        # where the owner has none (what the caller does then: patches/copies.py's ``__copy__``).
+        original = getattr(owner, name) if absent is None else getattr(owner, name, absent)
         # What goes back: the owner's own entry, or nothing when the attribute was inherited.
         self.previous = vars(owner).get(name, _MISSING)
         self.acting = True
@@ -78,7 +80,7 @@ class _Installed:
                 return (replacement if self.acting else original)(*args, **kwargs)
 
         # A bound original (classmethod) or a staticmethod takes no instance: ours must not either.
-        static = inspect.getattr_static(owner, name)
+        static = inspect.getattr_static(owner, name, None)
         self.value: Any = staticmethod(dispatch) if isinstance(static, (classmethod, staticmethod)) else dispatch
         setattr(owner, name, self.value)
 
@@ -100,27 +102,28 @@ class ProcessPatch:
     ----------
     plan
         Called at each installation: the ``(owner, name, wrap)`` of every
-        attribute to replace (computed then, so that it may depend on what
+        attribute to replace (or ``(owner, name, wrap, absent)``: ``absent``
+        stands for an attribute the owner lacks) (computed then, so that it may depend on what
         exists at that time, e.g. the subclasses imported so far).
     """
 
-    def __init__(self, plan: Callable[[], Iterable[tuple[Any, str, Wrap | SelfGated]]]) -> None:
+    def __init__(self, plan: Callable[[], Iterable[tuple[Any, ...]]]) -> None:
         self._plan = plan
         self._lock = threading.Lock()
         self._holders = 0
         self._installed: list[_Installed] = []
 
     @classmethod
-    def of(cls, owner: Any, name: str, wrap: Wrap) -> ProcessPatch:
-        """The patch of one attribute."""
-        return cls(lambda: [(owner, name, wrap)])
+    def of(cls, owner: Any, name: str, wrap: Wrap, absent: Callable[..., Any] | None = None) -> ProcessPatch:
+        """The patch of one attribute (``absent``: what ``wrap`` is given where the owner has no such attribute)."""
+        return cls(lambda: [(owner, name, wrap, absent)])
 
     def acquire(self) -> None:
         with self._lock:
             if self._holders == 0:
                 try:
-                    for owner, name, wrap in self._plan():
-                        self._installed.append(_Installed(owner, name, wrap))
+                    for owner, name, wrap, *absent in self._plan():
+                        self._installed.append(_Installed(owner, name, wrap, *absent))
                 except BaseException:
                     self._take_back()
                     raise

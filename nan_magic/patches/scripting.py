@@ -18,12 +18,6 @@ the graph of the first trace only, so torch's check of it (the call traced again
 across invocations" in the user's ``torch.jit.trace(model, x)``. (``warnings.catch_warnings``
 swaps the process's filter list for the call, as any library's use of it does: a filter another thread adds
 during the trace does not outlive it.)
-
-A copy of a model made while the watch is active (``copy.deepcopy``, ``pickle``, ``torch.save`` of the whole model)
-is made without that hook (:func:`unhooked_copies`): ``nn.Module.__getstate__`` is wrapped to leave ours out of the
-state it returns. The stand-ins our hook copies and pickles as (module_hooks.py) were still a forward hook on the
-user's copy, and the copy, or the file loaded in a process without nan_magic, failed ``torch.jit.script`` (no
-``__name__``); they stay for a ``__getstate__`` of the user's own that does not call torch's.
 """
 
 from __future__ import annotations
@@ -39,10 +33,7 @@ from torch import nn
 from nan_magic.hot.watched.module_hooks import is_watch_hook
 from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
 
-__all__ = ["aside_while_tracing", "quiet_tracing", "unhooked_copies", "unhooked_scripting"]
-
-#: A module's forward-hook dicts, keyed alike by a hook's id (register_forward_hook(with_kwargs, always_call)).
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+__all__ = ["aside_while_tracing", "quiet_tracing", "unhooked_scripting"]
 
 #: The watches that step aside while a trace runs (aside_while_tracing).
 _tracing: list[Recorder] = []
@@ -84,33 +75,6 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _PATCH = ProcessPatch.of(torch.jit, "script", _wrap)
-
-
-def _wrap_getstate(original: Callable[..., Any]) -> Callable[..., Any]:
-    def getstate(module: nn.Module) -> Any:
-        state = original(module)
-        hooks = state.get("_forward_hooks") if isinstance(state, dict) else None
-        ours = [key for key, hook in hooks.items() if is_watch_hook(hook)] if hooks else []
-        if not ours:
-            return state
-        state = dict(state)  # (a __getstate__ may return the module's own __dict__: it stays as it is)
-        for name in _HOOK_DICTS:
-            if isinstance(entries := state.get(name), dict):
-                state[name] = type(entries)((key, value) for key, value in entries.items() if key not in ours)
-        return state
-
-    return getstate
-
-
-_GETSTATE = ProcessPatch.of(nn.Module, "__getstate__", _wrap_getstate)
-
-
-@contextmanager
-def unhooked_copies() -> Iterator[None]:
-    """Inside the block, a module deep-copied or pickled carries none of the watch's hooks (the module
-    docstring)."""
-    with _GETSTATE.held():
-        yield
 
 
 @contextmanager

@@ -171,10 +171,10 @@ class _ModelReturned(functools.partial):
 
     ``copy.deepcopy(model)`` (an EMA teacher, the best weights so far) or ``torch.save(model)`` while the watch is
     active copies the model's hooks, ours with them: the watch behind it cannot be copied or pickled (a generator,
-    weak references), and the user's copy failed. While the watch is active ``nn.Module.__getstate__`` leaves ours
-    out of the copy (patches/scripting.py). Where a ``__getstate__`` of the user's own bypasses torch's, ours copies
-    as a stand-in that runs nothing (:class:`_LeftByACopy`, gone at the copy's first call), and pickles as an inert
-    hook of the standard library, so that loading the file needs no nan_magic.
+    weak references), and the user's copy failed. While the watch is active ``nn.Module.__reduce_ex__`` leaves ours
+    out of the copy (patches/copies.py). Where a class bypasses it (its own ``__deepcopy__`` or ``__reduce_ex__``),
+    ours copies as a stand-in that runs nothing (:class:`_LeftByACopy`, gone at the copy's first call), and pickles
+    as an inert hook of the standard library, so that loading the file needs no nan_magic.
 
     A :class:`functools.partial` of :meth:`GlobalModuleHooks._model_returned`: called, it calls that method from C,
     with no Python frame of its own between torch's hook call and the watch's (every top-level call returns here).
