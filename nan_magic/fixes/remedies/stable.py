@@ -348,6 +348,9 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
                  if before is not None and after is not None]
         pairs.append(("gradients", torch.tensor([before for before, _ in known], dtype=torch.float64),
                       torch.tensor([after for _, after in known], dtype=torch.float64)))
+    # (a buffer the forward wrote, a running statistic of the exp another module sharing the line keeps)
+    pairs += [(f"buffer {name}", outcome.buffers[name], after) for name, after in moved.buffers.items()
+              if name in outcome.buffers]
     for name, before, after in pairs:
         if before.shape != after.shape:
             continue
