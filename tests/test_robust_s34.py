@@ -310,6 +310,9 @@ def test_a_remedy_that_moves_a_buffer_another_module_writes_changes_the_value(mo
     # the edit of the line moves the gate's statistic (0.08294 -> 0.07394 by hand): no fix, and why
     assert trial.finite is None and trial.fact("changes_value") and trial.fact("modules") == "every", trial
     assert "the buffer stat moved by" in report.to_text()
+    # the producer is a softmax: the moved value is another module's use of the line, not "not normalised"
+    assert "in at least one of the modules that run the line" in report.to_text()
+    assert "the exp is not normalised by its own sum" not in report.to_text()
 
 
 @pytest.mark.parametrize("mode", ["default", "defer"])
@@ -326,3 +329,28 @@ def test_the_buffer_twin_is_silent_and_bit_identical(mode: str) -> None:
     watched = _train(*_stat_net(False, 1), MODES[mode])
     assert all(torch.isfinite(loss) for loss in plain)
     assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+
+
+class GatedNet(nn.Module):
+    """Two overflowing softmax modules with an unnormalised exp gate of their class between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.c = GateMix(True, 300), GateMix(False, 0.1), GateMix(True, 300)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.c(self.gate(self.a(x)))).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_a_softmax_producer_whose_line_a_gate_shares_is_not_said_unnormalised(mode: str) -> None:
+    def build() -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+        torch.manual_seed(0)
+        return GatedNet(), (torch.randn(4, 5, 8),), torch.randn(4, 1)
+
+    report, trial = _stable(build, mode)
+    assert (report.module, report.op, report.step) == ("a", "aten.exp.default", 0), report
+    assert trial.finite is None and trial.fact("changes_value") and trial.fact("modules") == "every", trial
+    assert "in at least one of the modules that run the line" in report.to_text()
+    assert "the exp is not normalised by its own sum" not in report.to_text()
