@@ -424,7 +424,7 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
     # (checked where the trial ran: in every module that runs the line, where the producing module's alone failed)
     checked_at = dataclasses.replace(site, module="") if every else site
-    other = changes_value(step, checked_at, remedy, outcome) if isinstance(remedy, StableFix) else None
+    other = changes_value(step, checked_at, remedy, outcome, every) if isinstance(remedy, StableFix) else None
     seconds = outcome.seconds + (remedy.checked if isinstance(remedy, StableFix) else 0.0)
     if other is not None:
         # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not

@@ -113,6 +113,9 @@ class StepOutcome:
     frozen: tuple[str, ...] = ()
     #: Each trained parameter's gradient by its id (the frozen rule reads those elements a remedy moved).
     grads: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False, compare=False)
+    #: The called module's floating buffers by name as the failing call's forward left them (a running statistic
+    #: it wrote): a remedy that moves one changes what the model keeps, though its outputs stay (changes_value).
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
 def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepOutcome, Remedy, bool]:
@@ -128,7 +131,7 @@ def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepO
     outcome = replay_step(step, site, remedy)
     fresh = getattr(remedy, "renewed", None)
     if outcome.failed is None or not outcome.applied or not site.module or (
-            fresh is None and not inspect.isfunction(remedy)):
+            fresh is None and not inspect.isfunction(remedy)) or _in_loss_code(step, site):
         return outcome, remedy, False
     again = fresh() if fresh is not None else remedy
     wider = replay_step(step, dataclasses.replace(site, module=""), again)
@@ -136,6 +139,16 @@ def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepO
         return outcome, remedy, False
     wider.seconds += outcome.seconds
     return wider, again, True
+
+
+def _in_loss_code(step: FailingStep, site: Site) -> bool:
+    """Whether the producer's line ran in the step's recorded loss code too (a helper's ``t.exp()`` the loss calls
+    for a learned temperature): the wider trial changes the models' calls alone and the loss code replays as it ran,
+    so it is not the edit of the line, which changes the loss there too; the producing module's trial is reported."""
+    code, source = step.loss_code, site.source
+    return isinstance(code, LossCode) and source is not None and any(
+        op.code is not None and op.lineno == source.lineno and op.code.co_filename == source.filename
+        for op in code.ops)
 
 
 def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> StepOutcome:
@@ -175,6 +188,9 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
             # The step's other calls whose outputs the loss code reads, each from its own buffers and generators.
             others = [_call_forward(step.target, parameters, call, mode, writes) for call in _other_calls(step)]
             output = _call_forward(step.target, parameters, root, mode, writes, stack, arguments)
+            with torch.no_grad():  # (the replay's own copies, swapped in: cloned, as the next forward writes them)
+                outcome.buffers = {name: buffer.detach().clone() for name, buffer in root.module.named_buffers()
+                                   if buffer.is_floating_point()}
             if mode is not None and site is not None and site.in_backward:
                 stack.callback(in_backward_nodes(mode, site.in_backward, [t for _, t in _floating(output)]))
             _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)

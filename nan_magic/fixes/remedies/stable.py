@@ -324,12 +324,15 @@ def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutco
     return tried
 
 
-def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOutcome) -> str | None:
+def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOutcome, every: bool = False
+                  ) -> str | None:
     """Why ``fix``'s finite max-subtracted exp (``outcome``) computes another value than the user's line, or None.
 
     The step is replayed with the exp multiplied by 8 or 16 row by row (its max moved, with no rounding of its own):
     where the max cancels (the exp is normalised by its own sum) the loss and the outputs are the same; where they
     move, the rewrite changed what the line means, and the step was made finite by computing something else.
+    ``every``: the trial ran in every module that runs the line, whose moved value may be another module's (a
+    softmax producer sharing its line with an exp gate): the reason does not say the producer's exp is unnormalised.
     """
     if fix.form != "max-subtracted exp" or outcome.failed is not None:
         return None
@@ -348,6 +351,9 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
                  if before is not None and after is not None]
         pairs.append(("gradients", torch.tensor([before for before, _ in known], dtype=torch.float64),
                       torch.tensor([after for _, after in known], dtype=torch.float64)))
+    # (a buffer the forward wrote, a running statistic of the exp another module sharing the line keeps)
+    pairs += [(f"buffer {name}", outcome.buffers[name], after) for name, after in moved.buffers.items()
+              if name in outcome.buffers]
     for name, before, after in pairs:
         if before.shape != after.shape:
             continue
@@ -356,10 +362,13 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
             tolerance = max(tolerance, 4 * outcome.gradient_eps)
         if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=1e-6, equal_nan=True):
             change = float((after.double() - before.double()).abs().max())
+            where = ("in at least one of the modules that run the line (an edit of it changes each one's use; the "
+                     "max cancels only out of an exp normalised by its own sum, as a softmax's is)" if every else
+                     "(the exp is not normalised by its own sum, as a softmax's is)")
             return (f"it changes what the line computes: exp(x - max) is exp(x) / exp(max), and the max does not "
-                    f"cancel here (the exp is not normalised by its own sum, as a softmax's is): with the exp "
-                    f"multiplied by 8 or 16 the {name} moved by {change:.3g}; a log of the exp's sum needs the max "
-                    f"added back (torch.logsumexp), a ratio or a scale has no max to take out: clamp the exponent")
+                    f"cancel here {where}: with the exp multiplied by 8 or 16 the {name} moved by {change:.3g}; a "
+                    f"log of the exp's sum needs the max added back (torch.logsumexp), a ratio or a scale has no max "
+                    f"to take out: clamp the exponent")
     return None
 
 
