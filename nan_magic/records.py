@@ -196,11 +196,10 @@ class EarlyWarning:
 class Cause:
     """The likely cause of an event: its kind, which reading of it, and the plain values it rests on.
 
-    ``label`` is the kind (``"learning-rate-too-high"``); ``reading`` names the sentence
-    render/words/causes/readings.py writes for it (one kind can be reached several ways); ``facts`` are
-    ``(name, value)`` pairs of stdlib values (str, int, float, bool, None, tuples of them), so a scene stores a cause
-    as plain data; ``hint`` and ``evidence`` are their words. Shown (``str``, IPython) as its label and hint: its
-    dataclass repr spells every fact, the event's too."""
+    ``label`` is the kind (``"learning-rate-too-high"``); ``reading`` names the sentence render/words/causes/ writes
+    for it (one kind can be reached several ways); ``facts`` are ``(name, value)`` pairs of stdlib values (str, int,
+    float, bool, None, tuples of them), so a scene stores a cause as plain data; ``hint`` and ``evidence`` are their
+    words. Shown (``str``, IPython) as its label and hint: its dataclass repr spells every fact, the event's too."""
 
     label: str
     reading: str
