@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -364,7 +364,7 @@ def _divides_by_the_batch(cause: Cause) -> bool:
     return cause.label == "division-by-zero" and cause.reading in _BATCH_DIVISIONS
 
 
-def _batch_warnings(replayed: Report, seen: Sequence[EarlyWarning], step: int) -> tuple[EarlyWarning, ...]:
+def _batch_warnings(replayed: Report, seen: Iterable[EarlyWarning], step: int) -> tuple[EarlyWarning, ...]:
     """The replay's reading of the failing step's own batch (a feature constant over it), as of ``step``.
 
     The watch reads a batch's features at its first step and every 8th only (hot/checks/early.py); the replay is the
@@ -372,6 +372,7 @@ def _batch_warnings(replayed: Report, seen: Sequence[EarlyWarning], step: int) -
     is told which column, as it is at step 0. Not where the watch said it of this step already, nor where it said
     the same columns within its repeat limit (:data:`~nan_magic.hot.checks.early.WARN_EVERY` steps).
     """
+    seen = tuple(seen)  # (read twice below)
     if any(warning.kind == "constant-feature" and warning.step == step for warning in seen):
         return ()
     said = {(warning.facts, warning.value) for warning in seen
