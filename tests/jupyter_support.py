@@ -186,6 +186,11 @@ def unwatched_truth(text: str) -> list[str]:
     return line.split(" | ")[1:]
 
 
+def printed(cell: Any) -> str:
+    """What the cell printed, its words joined by single spaces (ipykernel 5 may split one print in two streams)."""
+    return " ".join(cell_text(cell).split())
+
+
 def one_line_usage_error(cell: Any, start: str) -> None:
     (usage,) = cell_text(cell).strip().splitlines()
     assert usage.startswith(start), usage

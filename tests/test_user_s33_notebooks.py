@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_support import cell_text, named_cell, report_text, run_copy, short_error
+from jupyter_support import cell_text, named_cell, printed, report_text, run_copy, short_error
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -28,11 +28,6 @@ WALK = Path(__file__).parent / "notebooks" / "user_s33"
 
 def run(name: str, tmp_path: Path) -> Any:
     return run_copy(WALK, name, tmp_path)
-
-
-def printed(cell: Any) -> str:
-    """What the cell printed, its words joined by single spaces (ipykernel 5 may split one print in two streams)."""
-    return " ".join(cell_text(cell).split())
 
 
 def test_the_unet_whose_empty_mask_divides_zero_by_zero(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import nbformat
 import pytest
-from jupyter_support import REPO, cell_text, named_cell, report_text, run_copy, short_error
+from jupyter_support import REPO, cell_text, named_cell, printed, report_text, run_copy, short_error
 
 pytestmark = [pytest.mark.notebook, pytest.mark.slow]
 
@@ -31,11 +31,6 @@ WALK = Path(__file__).parent / "notebooks" / "user_s34"
 
 def run(name: str, tmp_path: Path) -> Any:
     return run_copy(WALK, name, tmp_path)
-
-
-def printed(cell: Any) -> str:
-    """What the cell printed, its words joined by single spaces (ipykernel 5 may split one print in two streams)."""
-    return " ".join(cell_text(cell).split())
 
 
 def one_line(cell: Any) -> str:
