@@ -142,12 +142,13 @@ def replay_at_line(step: FailingStep, site: Site, remedy: Remedy) -> tuple[StepO
 
 
 def _in_loss_code(step: FailingStep, site: Site) -> bool:
-    """Whether the producer's line ran in the step's recorded loss code too (a helper's ``t.exp()`` the loss calls
-    for a learned temperature): the wider trial changes the models' calls alone and the loss code replays as it ran,
-    so it is not the edit of the line, which changes the loss there too; the producing module's trial is reported."""
+    """Whether the producer's function ran at its line in the step's recorded loss code too (a helper's ``t.exp()``
+    for a learned temperature; not a teacher's Linear on a line whose ``.float()`` it ran): the wider trial changes the
+    models' calls alone, not the loss code as the edit of the line would; the producing module's trial is reported."""
     code, source = step.loss_code, site.source
     return isinstance(code, LossCode) and source is not None and any(
         op.code is not None and op.lineno == source.lineno and op.code.co_filename == source.filename
+        and site.function in (None, getattr(getattr(op.func, "overloadpacket", op.func), "__name__", None))
         for op in code.ops)
 
 
