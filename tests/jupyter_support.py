@@ -144,14 +144,17 @@ def run_copy(walk: Path, name: str, tmp_path: Path) -> Any:
 
 def cell_text(cell: Any) -> str:
     """What an executed cell showed as text: its streams, error tracebacks and plain-text data, without colours."""
-    parts = []
+    parts, last_stream = [], None
     for output in cell.outputs:
-        if output.output_type == "stream":
+        if output.output_type == "stream" and output.name == last_stream:
+            parts[-1] += output.text  # one print the kernel flushed in two messages (a loaded machine): one text
+        elif output.output_type == "stream":
             parts.append(output.text)
         elif output.output_type == "error":
             parts.append("\n".join(output.traceback))
         else:
             parts.append(output.get("data", {}).get("text/plain", ""))
+        last_stream = output.name if output.output_type == "stream" else None
     return _ANSI.sub("", "\n".join(parts))
 
 
