@@ -5,10 +5,13 @@
   freed by the deferred check and its probe counted nothing. The deferred tracer keeps the counts of what an op's
   origin reached (localize/ops/origins.Origins.stats_by_ref); these rows were among the 44 that
   ``scripts/defer_diff.py --ops`` listed so (tests/test_defer_s34.py, test_defer_s28.py hold three more).
+- A GradScaler whose scale collapses is judged at ``scaler.step``: %debug opened there at once, but at
+  ``scaler.scale(loss).backward()`` under ``ops=True, defer=True`` (the deferred check's note of the backward line).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -42,3 +45,15 @@ def test_ops_deferred_names_the_boundary_and_its_counts_as_ops_does(name: str) -
     assert str(now.tensor).startswith("grad of"), now.message
     seen = [(str(r.tensor), dict(r.counts), r.op, r.module, r.step, r.source and r.source.lineno) for r in (now, late)]
     assert seen[1] == seen[0]
+
+
+@pytest.mark.parametrize("name", ["grad_scaler_collapse_inside_the_model",
+                                  "variant_grad_scaler_collapse_with_unscale_and_clipping"])
+@pytest.mark.parametrize("ops", [pytest.param(False, id="default"), pytest.param(True, id="ops")])
+def test_a_collapsed_grad_scaler_opens_debug_at_the_scaler_step_deferred_too(name: str, ops: bool) -> None:
+    case = _named(name)
+    base = {"ops": True} if ops else {}
+    now, late = _report(case, base), _report(case, {**base, "defer": True})
+    assert now.cause is not None and now.cause.label == "grad-scaler-collapse", now.message
+    where = [(os.path.basename(r.debug_frame.filename), r.debug_frame.lineno) for r in (now, late)]
+    assert where[0][0] == "scaler_collapse.py" and where[1] == where[0]
