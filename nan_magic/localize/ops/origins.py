@@ -335,7 +335,7 @@ class Origins:
 
     def _counted(self, tensor: torch.Tensor, origin: Origin | Benign) -> TensorStats | None:
         """``tensor``'s exact statistics where ``counting`` and an op's origin reached it, else None. Cold: only ops
-        mode's deferred tracer counts, and only what an op's non-finite value reached (nothing where no op makes one)."""
+        mode's deferred tracer counts, only what an op's non-finite value reached (nothing where no op makes one)."""
         return tensor_stats(tensor) if self.counting and isinstance(origin, Origin) and is_checkable_op_value(
             tensor) else None
 
