@@ -93,17 +93,10 @@ def test_a_watch_entered_again_each_epoch_deferred_names_what_the_immediate_one_
     assert _epochs(ops=True, defer=True)[:5] == _epochs(ops=True)[:5] == now[:5]
 
 
-# What reading a step late cannot give a traced watch (scripts/defer_diff.py --ops lists every row): a strict xfail.
-_FREED = ("the boundary tensor (a gradient into a module's output, or the loss) is freed by the deferred check, and "
-          "its probe kept only (min, max), no counts: the report describes the op's output, whose counts the tracer "
-          "kept, and names the boundary beside it (Report.module_output; localize/ops/origins.attach_origin). Keeping "
-          "the boundary's counts would cost a count kernel per probe every step, or the tensor alive until the check")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param("gaps21_direct_child_backward_sqrt_of_zero", marks=pytest.mark.xfail(strict=True, reason=_FREED)),
-    pytest.param("loss_temporary_of_two_terms", marks=pytest.mark.xfail(strict=True, reason=_FREED)),
-])
+# The boundary tensor (a gradient into a module's output, or the loss) is freed by the deferred check and its probe
+# kept only (min, max): the report described the op's output instead. The deferred tracer now keeps the counts of
+# what an origin reached (defer-s35; localize/ops/origins.Origins.stats_by_ref), and names the boundary.
+@pytest.mark.parametrize("name", ["gaps21_direct_child_backward_sqrt_of_zero", "loss_temporary_of_two_terms"])
 def test_a_traced_deferred_report_names_the_boundary_tensor(name: str) -> None:
     def named(**options: object) -> str:
         torch.manual_seed(0)

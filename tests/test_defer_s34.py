@@ -2,9 +2,9 @@
 
 Every incident row of tests/contract/defer_s34.py: the deferred report names the module, op, line, phase, step and
 cause the immediate one names, the same tensor and counts, and ``%debug`` opens at the same line (ops=True likewise
-with defer=True). Below them, strict xfails for the earlier rows ``scripts/defer_diff.py`` lists whose deferred
-report differs for a reason not fixed here: a ``%debug`` line whose frame returned before the deferred check, and
-ops=True's backward events named by the op's output instead of the boundary gradient.
+with defer=True). Below them, earlier rows ``scripts/defer_diff.py`` listed: a strict xfail for a ``%debug`` line
+whose frame returned before the deferred check (not fixed), and ops=True's backward events, which the deferred watch
+named by the op's output instead of the boundary gradient (fixed in defer-s35: the boundary, with its counts).
 """
 
 from __future__ import annotations
@@ -75,12 +75,10 @@ def test_debug_opens_at_the_immediate_line_when_the_line_has_returned_by_the_def
     assert late["debug"] == now["debug"], (now, late)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ops=True names the module boundary's gradient and counts it as the backward hook read it (12 nan in 'grad of "
-    "lin output'); with defer=True that gradient is freed by the deferred check and its probe counted nothing, so "
-    "the report describes the op's output the tracer kept (3 +inf, 9 -inf in 'output of aten.div.Tensor'): "
-    "scripts/defer_diff.py --ops lists 44 rows so. Naming the boundary needs its counts kept on the device at every "
-    "backward hook under ops=True"))
+# ops=True names the module boundary's gradient and counts it as the backward hook read it (12 nan in 'grad of lin
+# output'); with defer=True that gradient was freed by the deferred check and its probe counted nothing, so the report
+# described the op's output the tracer kept (3 +inf, 9 -inf in 'output of aten.div.Tensor'). The deferred tracer now
+# keeps the exact counts of each tensor an op's origin reached (defer-s35), and the boundary is named as ops names it.
 @pytest.mark.parametrize("name", ["gaps21_direct_child_backward_sqrt_of_zero", "hunt14_frozen_block_backward"])
 def test_ops_deferred_backward_event_names_the_boundary_gradient_as_ops_does(name: str) -> None:
     case = _named(name)

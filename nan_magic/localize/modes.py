@@ -202,9 +202,11 @@ class Traced(Localizing):
 
     traces = True
 
-    def __init__(self, kinds: frozenset[str], kept: StepReplays | None, trials: bool = False) -> None:
+    def __init__(self, kinds: frozenset[str], kept: StepReplays | None, trials: bool = False,
+                 deferred: bool = False) -> None:
         super().__init__(kinds)
         self.kept = kept
+        self._deferred = deferred  # (its tracer keeps the counts of what an origin reached: a boundary freed by then)
         # A user's watch that keeps no calls (fixes=False, replay=False) says why %debug stays where the step was
         # judged; a step replay's nested watch (no trials) says nothing: its report is the replay's.
         self._says_unkept = trials and kept is None
@@ -225,7 +227,7 @@ class Traced(Localizing):
     ) -> None:
         super().attach(stack, origins, module_name, phase_hint)
         # The tracer names the innermost watched module running, from the forward hooks' stack.
-        stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint))
+        stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint, self._deferred))
         # The tracer's weak references to the tensors it read would make the user's swap_tensors (model.to() under
         # the swap future) raise: they go first (patches/swaps.py).
         stack.enter_context(forgotten_before_swaps(lambda tensor: _forget_known(origins, tensor)))
@@ -254,7 +256,7 @@ def localizing(
         kept = _kept(config, watch, nested, trials)
         if kept is not None:
             kept.counts_nodes = True  # (a backward op's forward line, replayed from its call: line_replay.py)
-        return Traced(config.kinds, kept, trials)
+        return Traced(config.kinds, kept, trials, deferred=holds_data)
     if config.tiered:
         return Tiered(config, optimizers, holds_data, watch, nested)
     return PerCall(config, optimizers, holds_data, _kept(config, watch, nested, trials))

@@ -87,9 +87,12 @@ class OpOrigins:
         kinds: frozenset[str],
         module_name: Callable[[], str | None],
         phase_hint: Callable[[], Phase | None],
+        counting: bool = False,
     ) -> OpTracer:
-        """The op tracer of ops mode; ``module_name`` names the innermost watched module running."""
-        self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True)
+        """The op tracer of ops mode; ``module_name`` names the innermost watched module running; ``counting``: the
+        deferred check's, which keeps the counts of what an origin reached (a boundary freed by the check)."""
+        self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True,
+                               counting=counting)
         self.tracer.enclosing = self._enclosing
         self.tracer.within = self._within
         self.tracer.owned = self._owned
@@ -180,6 +183,11 @@ class OpOrigins:
         written = finding.phase == Phase.DATA
         if self.tracer is not None and (tensor is not None or freed is not None):
             origin = self.tracer.claim(tensor, freed)
+            if freed is not None and isinstance(origin, OpFinding) and finding.bad is None and (
+                    counted := self.tracer.freed_stats(freed)) is not None:
+                # Freed by the deferred check, its probe counted nothing: its counts as the op that made it left them
+                # (the report names the boundary, as the immediate watch does, not the op's output).
+                finding.bad_stats = counted
             if origin is None and written and tensor is not None:
                 origin = self.tracer.written_into(tensor, take=False)
         elif outside is not None and self.tracer is None and (tensor is not None or key is not None) and (

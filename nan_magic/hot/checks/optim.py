@@ -459,6 +459,8 @@ class OptimizerChecks:
         self.watch.emit(finding)
         if self.skipped_in_a_row >= COLLAPSE_SKIPS or scale < 1.0:
             finding.benign = False
+            # Judged at the scaler's step (deferred too): %debug opens there, not at backward's line (events.py).
+            finding.backward_caller = None
             finding.cause = Cause(
                 "grad-scaler-collapse", "grad-scaler-collapse", (("skipped", self.skipped_in_a_row), ("scale", scale))
             )

@@ -196,8 +196,10 @@ class Origins:
         # (``exp`` saves its result), which a backward op then reads.
         self._by_memory: dict[tuple[Any, ...], _MemoryEntry] = {}
         # By the weak reference noted (held, so its id stays unique): a tensor freed since, whose id another
-        # tensor may have taken in ``_by_id``, is still found by the reference its boundary record holds.
-        self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign]] = {}
+        # tensor may have taken in ``_by_id``, is still found by the reference its boundary record holds. With
+        # ``counting`` (the deferred check's live tracer), an op's origin's tensor's exact statistics as it was noted.
+        self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign, TensorStats | None]] = {}
+        self.counting = False
 
     def __bool__(self) -> bool:
         """Whether any tensor is noted (until then the tracer has nothing to look up or carry on)."""
@@ -209,6 +211,12 @@ class Origins:
         tensor is gone (a loss temporary, an output the next op consumed)."""
         entry = self._by_ref.get(id(ref))
         return entry[1] if entry is not None and entry[0] is ref else None
+
+    def stats_by_ref(self, ref: weakref.ref[torch.Tensor]) -> TensorStats | None:
+        """The exact statistics of the tensor ``ref`` refers to as an op noted it, where ``counting`` took them: a
+        boundary the deferred check finds freed (a gradient into a module's output) is described as it was made."""
+        entry = self._by_ref.get(id(ref))
+        return entry[2] if entry is not None and entry[0] is ref else None
 
     def stepped(self) -> list[torch.Tensor]:
         """The live tensors whose origin outlasts the start of a step: those an optimizer's step made non-finite
@@ -300,7 +308,7 @@ class Origins:
         """Note ``tensor``'s origin; ``written``: the op wrote it in place (its version moves after)."""
         origins = self._by_id
         ref = weakref.ref(tensor)
-        self._by_ref[id(ref)] = (ref, origin)
+        self._by_ref[id(ref)] = (ref, origin, self._counted(tensor, origin))
         if tensor.is_inference():  # no version counter, nor memory that another tensor object could stand for
             origins[id(tensor)] = (ref, _NO_VERSION, written, origin)
             return
@@ -323,7 +331,13 @@ class Origins:
         """A view's origin, by its weak reference alone (:meth:`entry` finds a live view's through its base): a
         check that finds the view freed has only its record's reference (Linear's 3-d output is a view of addmm's)."""
         ref = weakref.ref(view)
-        self._by_ref[id(ref)] = (ref, origin)
+        self._by_ref[id(ref)] = (ref, origin, self._counted(view, origin))
+
+    def _counted(self, tensor: torch.Tensor, origin: Origin | Benign) -> TensorStats | None:
+        """``tensor``'s exact statistics where ``counting`` and an op's origin reached it, else None. Cold: only ops
+        mode's deferred tracer counts, only what an op's non-finite value reached (nothing where no op makes one)."""
+        return tensor_stats(tensor) if self.counting and isinstance(origin, Origin) and is_checkable_op_value(
+            tensor) else None
 
     def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""

@@ -93,7 +93,7 @@ from nan_magic.localize.ops.sources import (
     recomputing,
 )
 from nan_magic.localize.ops.witnesses import OpWitnesses
-from nan_magic.records import Phase, TensorRef
+from nan_magic.records import Phase, TensorRef, TensorStats
 
 __all__ = ["OpTracer"]
 
@@ -143,6 +143,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         phase_hint: Callable[[], Phase | None] | None = None,
         at_boundary: bool = False,
         outside_benign: bool = False,
+        counting: bool = False,
     ) -> None:
         super().__init__()
         self.kinds = frozenset(kinds)  # checked by WatchConfig
@@ -156,8 +157,10 @@ class OpTracer(OriginRules, TorchDispatchMode):
         #: Modules whose code made or carried on a deliberate infinity this step.
         self.benign_modules: set[str | None] = set()
         self.outside_benign = outside_benign
-        # The origin of each non-finite tensor seen (see the module docstring).
+        # The origin of each non-finite tensor seen (see the module docstring); ``counting`` (ops mode, deferred):
+        # with the exact statistics of each tensor an origin reached, for a boundary freed by the check (freed_stats).
         self._origins = Origins()
+        self._origins.counting = counting
         # The kinds of tensors already read, so that none is read twice.
         self._known = self.known = KnownKinds()  # (known: read by the loss code's data check, gradients.py)
         #: The user's forward line of each autograd node the traced forward creates.
@@ -228,9 +231,11 @@ class OpTracer(OriginRules, TorchDispatchMode):
             self.literals.clear()
             self._origins.clear()
             self.benign_modules.clear()
+            counting, self._origins.counting = self._origins.counting, False  # (no op of ours under the trace)
             for tensor, entry in kept:
                 if entry is not None:
                     self._origins.note(tensor, entry)
+            self._origins.counting = counting
             # (With the writes' lifts: %debug opens at the line that wrote the number into the batch.)
             self.witnesses.keep_only([entry.finding for _tensor, entry in kept if isinstance(entry, Origin)]
                                      + [found for _address, found in written])
@@ -271,6 +276,11 @@ class OpTracer(OriginRules, TorchDispatchMode):
                 self.finding = origin
                 self.producer_tensors = self.witnesses.copies(origin)
         return origin
+
+    def freed_stats(self, freed: weakref.ref[torch.Tensor]) -> TensorStats | None:
+        """The exact statistics, as the op that made it left it, of a boundary tensor the deferred check finds freed
+        (by its record's weak reference), where the tracer counts (ops mode, deferred) and an op's origin reached it."""
+        return self._origins.stats_by_ref(freed)
 
     def claim_earliest(self) -> None:
         """Make the first origin started the finding where no :meth:`claim` made one (a replay whose output no
