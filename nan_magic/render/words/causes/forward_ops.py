@@ -172,7 +172,7 @@ def _spread_hint(event: Report, cause: Cause) -> str:
     zeros = divisor_phrase(event.operand("other"), _divisor_said(event, "other"))
     alike = "0 (a zero row, a vector never written)" if spread == "norm" else (
         "equal (a constant row, a window of equal returns, a batch of one sample repeated)")
-    eps = suggested_eps(event)
+    eps = "1e-4" if event.dtype == "float16" else "1e-5"  # (as the division hint: 1e-12 would scale a gradient by 1e12)
     return (
         f"{event.op} in {where(event)} divided by a {spread} of 0{zeros}, giving {' and '.join(results)}: the values it"
         f" measures were all {alike}, not a count of nothing; add an eps to it (x / ({spread} + {eps}), or "
