@@ -204,6 +204,28 @@ def repeated_sample(fixed: bool = False, steps: int = 3) -> Built:
     return fit(VarianceScaled(fixed), {"x": x, "y": torch.randn(4, 2)}, lr=0.01, steps=steps)
 
 
+# ---------------------------------------------------------------- pairwise distances of a batch, the diagonal's sqrt(0)
+class PairSpread(nn.Module):
+    """The mean pairwise distance of the batch's embeddings (a spread regulariser): the diagonal is each point's
+    distance to itself, sqrt(0), finite forward and 0 / 0 in sqrt's backward."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.lin, self.fixed = nn.Linear(4, 3), fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.lin(x)
+        squared = (e[:, None] - e[None]).pow(2).sum(-1)
+        if self.fixed:
+            return torch.sqrt(squared.clamp_min(EPS)).mean().reshape(1)
+        return torch.sqrt(squared).mean().reshape(1)  # producer: sqrt(0) on the diagonal: backward 0 / 0
+
+
+def pair_spread(fixed: bool = False, steps: int = 3) -> Built:
+    torch.manual_seed(0)
+    return fit(PairSpread(fixed), {"x": torch.randn(5, 4), "y": torch.tensor([3.0])}, lr=0.01, steps=steps)
+
+
 CASES = {
     "sharpe-holiday": sharpe_holiday,
     "zscore-zero-head": zscore_zero_head,
@@ -214,6 +236,7 @@ CASES = {
     "stuck-row": stuck_row,
     "rsqrt-padding": rsqrt_padding,
     "repeated-sample": repeated_sample,
+    "pair-spread": pair_spread,
 }
 #: The loss each incident's loop computes (the by-hand check runs the same).
 LOSSES = {"sharpe-holiday": _sharpe_loss, "sharpe-root-var": _sharpe_loss, "empty-mask-pool": _pool_loss}

@@ -112,6 +112,8 @@ VERDICTS = {
     "repeated-sample": (True, "add", "(var + 1.2e-07)", False),
     # (0 in one row of six: clamped as F.normalize does; by hand it trains)
     "stuck-row": (True, "clamp_min", "std.clamp_min(1.2e-07)", False),
+    # (sqrt of a point's squared distance to itself, 0: its backward 0 / 0; the operand clamped, by hand it trains)
+    "pair-spread": (True, None, "torch.sqrt(squared.clamp_min(1.2e-07))", False),
     # (an RMS scale by rsqrt of a padding row: its operand clamped; by hand it trains)
     "rsqrt-padding": (True, None, "torch.rsqrt(ms.clamp_min(1.2e-07))", False),
     # (sqrt(...) + eps: the sqrt's backward at 0 is still 0 / 0; by hand sqrt(... + eps) is the fix, which the hint
