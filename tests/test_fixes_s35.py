@@ -88,6 +88,7 @@ def test_a_division_by_a_spread_of_zero_says_the_spread_not_a_count(name: str, m
         "division-by-zero", "spread-zero"), report.cause
     text = " ".join(report.to_text().split())
     assert f"divided by a {SPREADS[name]} of 0" in text and "count.clamp_min(1)" not in text, text[:600]
+    assert f"the divisor is the output of a {SPREADS[name]} (its autograd node or recorded op), not a count" in text
 
 
 @pytest.mark.parametrize("mode", list(MODES))
