@@ -34,9 +34,9 @@ MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "fu
                                     "ops": {"ops": True}, "ops-defer": {"ops": True, "defer": True}}
 #: incident -> the spread its divisor is.
 SPREADS = {"sharpe-holiday": "std", "zscore-zero-head": "std", "hand-rms-padding": "norm", "sharpe-root-var": "std",
-           "dead-unit": "norm", "repeated-sample": "var", "stuck-row": "std"}
+           "dead-unit": "norm", "repeated-sample": "variance", "stuck-row": "std"}
 _NO_NODE = pytest.mark.xfail(strict=True, reason=(
-    "a std of the data (x.std(-1) of a batch no parameter went into) has no autograd node in any replay, so the "
+    "a std of the data inside a module (x.std(-1) of a batch no parameter went into) has no autograd node, so the "
     "cause reads 'divided by zero' and its hint names both readings ('if the divisor is a std ... add eps; if it is "
     "a count, clamp it to >= 1'); the trial clamps it (0 in one row of six) and is verified, and by hand it trains. "
     "Telling it needs the divisor's maker without autograd: a per-op record the op tracer does not keep"))

@@ -19,7 +19,7 @@ from nan_magic.tensor_refs import op_function
 __all__ = ["recorded_spread", "spread_divisor"]
 
 #: Autograd nodes (their names without the trailing number) of the spreads, and what each is.
-_SPREADS = {"StdBackward": "std", "StdMeanBackward": "std", "VarBackward": "var", "VarMeanBackward": "var",
+_SPREADS = {"StdBackward": "std", "StdMeanBackward": "std", "VarBackward": "variance", "VarMeanBackward": "variance",
             "LinalgVectorNormBackward": "norm", "NormBackward": "norm", "LinalgMatrixNormBackward": "norm"}
 #: What a square root of each node's output is: ``sqrt(var)`` a std, ``sqrt(mean(d ** 2))`` or ``sqrt(sum(...))``
 #: a norm (an RMS).
@@ -39,7 +39,7 @@ def _only_input(node: Any) -> Any:
 
 
 def spread_divisor(op: str, inputs: list[tuple[str, Any]]) -> str | None:
-    """``"std"``, ``"var"`` or ``"norm"``: the spread a division's ``other`` is the output of; None for another op,
+    """``"std"``, ``"variance"`` or ``"norm"``: the spread a division's ``other`` is the output of; None for another op,
     a divisor made otherwise (a count, a parameter), or one with no autograd node (made under no_grad)."""
     if op_function(op) != "div":
         return None
@@ -61,7 +61,7 @@ def spread_divisor(op: str, inputs: list[tuple[str, Any]]) -> str | None:
 
 
 #: The aten functions (``op_function``) of the spreads, as the loss code's recorded ops name them, and of the moves.
-_SPREAD_OPS = {"std": "std", "std_mean": "std", "var": "var", "var_mean": "var", "linalg_vector_norm": "norm",
+_SPREAD_OPS = {"std": "std", "std_mean": "std", "var": "variance", "var_mean": "variance", "linalg_vector_norm": "norm",
                "norm": "norm", "linalg_matrix_norm": "norm"}
 _ROOTED_OPS = {"var": "std", "var_mean": "std", "mean": "norm", "sum": "norm"}
 _MOVE_OPS = frozenset({"view", "expand", "unsqueeze", "squeeze", "clone", "_to_copy", "_unsafe_view", "reshape",

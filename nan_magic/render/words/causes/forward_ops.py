@@ -175,7 +175,7 @@ def _spread_hint(event: Report, cause: Cause) -> str:
     eps = "1e-4" if event.dtype == "float16" else "1e-5"  # (as the division hint: 1e-12 would scale a gradient by 1e12)
     return (
         f"{event.op} in {where(event)} divided by a {spread} of 0{zeros}, giving {' and '.join(results)}: the values it"
-        f" measures were all {alike}, not a count of nothing; add an eps to it (x / ({spread} + {eps}), or "
+        f" measures were all {alike}, not a count of nothing; add eps to it (x / ({spread} + {eps}), or "
         f"{spread}.clamp_min({eps}) where only some rows are 0), or take sqrt(var + eps) where the sqrt is written out"
     )
 
