@@ -251,6 +251,7 @@ CAUSES = {
     "division-by-zero": (_of_event("division-by-zero", "division-by-zero", divisor="other"), "held 2 zeros of 8"),
     "division-unknown-divisor": (_of_event("unclassified", "division-unknown-divisor", limit=65504.0),
                                  "above 65504"),
+    "spread-zero": (_of_event("division-by-zero", "spread-zero", spread="std"), "divided by a std of 0"),
     "empty-quotient": (_of_event("empty-reduction", "empty-quotient"), "a count of nothing"),
     "empty-mean": (_of_event("empty-reduction", "empty-mean"), "an average over zero elements"),
     "corrected-one": (_of_event("division-by-zero", "corrected-one"), "correction=1"),

@@ -206,6 +206,10 @@ def _division(report: Report) -> Cause:
     # A count of nothing is a tensor (``mask.sum()``) or a Python int (``len(selected)``); a Python float divisor of
     # 0.0 is a constant of the code (``half - downscale_freq_shift`` of a config), and 0 / 0.0 a division by it.
     constant = divisor is None and isinstance(dict(report.numbers).get("other"), float)
+    spread = next((note.fact("spread") for note in report.note_facts if note.kind == "spread-divisor"), None)
+    if spread is not None and not reciprocal:
+        # 0 / 0 of a std, variance or norm of values all equal (localize/ops/divisor.py), not of a count of nothing.
+        return event_cause("division-by-zero", "spread-zero", report, spread=spread)
     if report.numel == 1 and report.nan and not reciprocal and zero_numerator and not constant:
         return event_cause("empty-reduction", "empty-quotient", report)
     if divisor is None and not report.nan and report.dtype in HALF:

@@ -83,7 +83,8 @@ def _candidates(report: Report, site: Site, step: FailingStep) -> list[tuple[str
     if half or step.root.autocast:
         remedies.append(("float32", Float32()))
     if site.function in FUNCTIONS:
-        remedies.append(("eps", DomainFix(site.function)))
+        spread = report.cause is not None and report.cause.reading == "spread-zero"
+        remedies.append(("eps", DomainFix(site.function, added=spread)))
     if site.function in ("exp", "log"):
         remedies.append(("stable", StableFix(site.function)))
     if site.function in CORRECTED and report.cause is not None and report.cause.reading == "corrected-one":

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.loss import LossCode, LossNotComputed
+from nan_magic.fixes.probe import gradient_sums
 from nan_magic.fixes.site import REPLAY_CALLERS, InRecordedCode, Remedy, Site, at_producer, in_backward_nodes
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
@@ -371,19 +372,20 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
         tensors = [(path, tensor.detach()) for path, tensor in tensors]
         loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
     scale, carried = step.grad_scale
-    starts = [(tensor, grad * (scale / carried if start == "held" else scale)) for tensor, grad, start in
-              _backward_starts(tensors, step.root, loss)]
+    begins = _backward_starts(tensors, step.root, loss)
+    starts = [(tensor, grad * (scale / carried if start == "held" else scale)) for tensor, grad, start in begins]
     parameters = [parameter for parameter in parameters if parameter.requires_grad]
     if not starts or not parameters:
         return
+    ones = all(start == "ones" for *_values, start in begins)
     grads = torch.autograd.grad([tensor for tensor, _grad in starts], parameters,
-                                grad_outputs=[grad for _tensor, grad in starts], allow_unused=True)
+                                grad_outputs=[grad for _tensor, grad in starts], allow_unused=True, retain_graph=ones)
     if not all(grad is None or _finite(grad) for grad in grads):
         outcome.failed = "backward"
         return
     # (each parameter's gradient, summed: remedies/stable.py's check of a rewrite compares them, where a float16
     # loss rounds a changed term away)
-    outcome.gradients = tuple(None if grad is None else float(grad.double().abs().sum()) for grad in grads)
+    outcome.gradients = gradient_sums(grads, [tensor for tensor, _grad in starts], parameters, ones)
     outcome.grads = {id(parameter): grad for parameter, grad in zip(parameters, grads)}
     outcome.gradient_eps = max((torch.finfo(grad.dtype).eps for grad in grads if grad is not None), default=0.0)
     if not optimizers:

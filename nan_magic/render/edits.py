@@ -473,6 +473,8 @@ def _on_module(node: ast.expr) -> bool:
 def _denominator(node: ast.expr, trial: FixTrial) -> ast.expr:
     if trial.fact("form") == "count":
         return _method(node, "clamp_min", ast.Constant(1))
+    if trial.fact("form") == "add":  # (a std, a variance or a norm: std + eps)
+        return ast.BinOp(node, ast.Add(), _eps(trial))
     if trial.fact("form") == "zeros":
         zero = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
         return ast.Call(ast.parse("torch.where", mode="eval").body, [zero, _eps(trial), node], [])

@@ -47,7 +47,7 @@ def _changed(trial: FixTrial) -> str:
         if trial.fact("form") == "count":
             return "its denominator clamped to at least 1 (it holds counts: integers, 0 where nothing was counted)"
         where = "its denominator" if function in ("div", "reciprocal") else f"the operand of {function}"
-        how = "its zeros replaced by" if trial.fact("form") == "zeros" else "clamped to at least"
+        how = {"zeros": "its zeros replaced by", "add": "plus"}.get(trial.fact("form"), "clamped to at least")
         if function in BOUNDED_FUNCTIONS:
             how = f"clamped into [{'' if function in UNIT_FUNCTIONS else '-1 + '}eps, 1 - eps], eps ="
         if function in SHIFTED_FUNCTIONS:

@@ -15,7 +15,6 @@ over one feature in float16. Each twin applies its users' fix and must stay sile
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -455,12 +454,8 @@ CASES = [
          Expect("forward", None, step=2, op="aten.div.Tensor", marker="si-sdr scale", cause="division-by-zero")),
     Case("hunt_s34_si_sdr_with_eps_healthy", lambda: _si_sdr(1e-8), None),
     Case("hunt_s34_sharpe_ratio_of_a_holiday_week", lambda: _sharpe("plain"),
-         Expect("forward", None, step=2, op="aten.div.Tensor", marker="sharpe plain", cause="division-by-zero"),
-         marks=(pytest.mark.xfail(strict=True, reason=(
-             "the cause reads 'empty-quotient' (a sum over nothing divided by a count of nothing; divide by "
-             "count.clamp_min(1)) where the week is not empty: it is mean / std of five equal returns, a spread of 0 "
-             "under a mean of 0. The event's facts (a one-element 0 / 0 of finite operands) are the same for both; "
-             "telling a count from a std needs the divisor's producer recorded at the event")),)),
+         Expect("forward", None, step=2, op="aten.div.Tensor", marker="sharpe plain", cause="division-by-zero",
+                says=tuple((mode, "divided by a std of 0") for mode in ("default", "defer", "full", "ops")))),
     Case("hunt_s34_sharpe_ratio_std_plus_eps_healthy", lambda: _sharpe("std_eps"), None),
     Case("hunt_s34_sharpe_ratio_sqrt_of_var_plus_eps_healthy", lambda: _sharpe("var_eps"), None),
     Case("hunt_s34_log_barrier_of_a_torque_past_its_limit", lambda: _barrier(False),

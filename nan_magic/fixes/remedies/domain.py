@@ -153,8 +153,11 @@ def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Te
 class DomainFix:
     """The remedy for the function ``function`` (a key of :data:`FUNCTIONS`)."""
 
-    def __init__(self, function: str) -> None:
+    def __init__(self, function: str, added: bool = False) -> None:
         self.function = function
+        #: A divisor that is a std, a variance or a norm (the cause's ``spread-zero``) and is 0 everywhere: eps added to
+        #: it (``std + eps``), as its users write it; the quotient still depends on it, so no value counts as moved.
+        self.added = added and function == "div"
         self.names = FUNCTIONS[function]
         #: What it did, for the description: eps, the operand's dtype, the denominator's form.
         self.eps: float | None = None
@@ -192,7 +195,7 @@ class DomainFix:
 
     def renewed(self) -> DomainFix:
         """The same remedy, nothing counted yet (for a second trial of it)."""
-        return DomainFix(self.function)
+        return DomainFix(self.function, self.added)
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
@@ -215,6 +218,13 @@ class DomainFix:
         low = eps if self.function in UNIT_FUNCTIONS else -1 + eps  # (logit's domain is (0, 1))
         if self.function in BOUNDED_FUNCTIONS:
             moved = operand.clamp(low, 1 - eps)
+        elif self.added and operand.numel() and bool((operand < eps).all()):
+            # A spread below eps everywhere: clamped, the quotient would no longer depend on it (its gradient cut
+            # everywhere: hidden, not fixed); ``std + eps`` keeps it. Where some rows are 0, clamp as F.normalize does.
+            self.form, moved = "add" if self.form in (None, "add") else self.form, operand + eps
+            self.total += operand.numel()
+            remedied = [*args[:index], moved, *args[index + 1:]]
+            return func(*remedied, **kwargs)
         elif self.function in ("div", "reciprocal"):
             form = denominator_form(operand)
             self.form = form if self.form in (None, "count") else self.form

@@ -21,6 +21,7 @@ from nan_magic.hot.reads import is_checkable_op_value, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.localize.ops.called import own_number_of
 from nan_magic.localize.ops.derived import ModelDerived
+from nan_magic.localize.ops.divisor import spread_divisor
 from nan_magic.localize.ops.kinds import KnownKinds, Prior, scalar_kinds
 from nan_magic.localize.ops.log_edge import log_edge_infinities
 from nan_magic.localize.ops.masks import is_additive_mask, reduces_a_mask, selects_whole_rows
@@ -282,6 +283,7 @@ class OriginRules:
             samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
             from_data=phase is None and module is None and self._from_data(inputs),
             log_edge=log_edge_infinities(op, tensor, inputs) if not in_backward else None,
+            spread=spread_divisor(op, inputs) if not in_backward else None,
         )
         # %debug's frame (line_state.py): a forward op's, or a Python backward's.
         frame = user_frame if not in_backward or backward_code else None

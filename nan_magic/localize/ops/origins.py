@@ -86,6 +86,8 @@ class OpFinding:
     #: An ``x * log(y)`` op's infinities where y was at its log's edge (xlogy's 0, xlog1py's -1), counted when it
     #: ran (log_edge.py); None for another op.
     log_edge: int | None = None
+    #: A forward division's divisor made by a std, a variance or a norm (divisor.py): that spread, else None.
+    spread: str | None = None
     #: Ops mode: the loop ran the op in its data region (before the step's first model call, outside every watched
     #: module) on tensors no parameter nor model output went into (derived.ModelDerived): phase data (PRODUCT.md).
     from_data: bool = False
@@ -391,6 +393,8 @@ def apply_op_finding(
         function = op_function(op.op)
         finding.notes.append(Note.of("log-edge", function=function.removeprefix("special_"), count=op.log_edge,
                                      edge=LOG_EDGES[function]))
+    if op.spread is not None:  # (a divisor a std, a variance or a norm made: explain/forward.py's _division reads it)
+        finding.notes.append(Note.of("spread-divisor", spread=op.spread))
     # The tracer keeps the op's output, then its operands by schema name.
     operands = [(TensorRef(TensorRole.OPERAND, label), tensor) for label, tensor in tensors[1:]]
     if op.absorbed is not None:

@@ -19,12 +19,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
 from nan_magic.localize.ops.derived import ModelDerived
+from nan_magic.localize.ops.divisor import recorded_spread
 from nan_magic.localize.ops.plans import arguments, plan_of, tensors
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.records import SourcePointer
 
 __all__ = ["Detached", "EarlierLoss", "Gone", "RecordedOp", "WeakRecord", "alive", "benign_copies",
-           "copies_from_outside", "detached_from_model", "finite_now", "last_write",
+           "copies_from_outside", "detached_from_model", "divisor_spread", "finite_now", "last_write",
            "made_from_outside_data", "maker", "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op",
            "swapped", "weak_record", "written_by"]
 
@@ -438,3 +439,16 @@ def written_by(ops: list[RecordedOp]) -> list[torch.Tensor]:
             if isinstance(tensor, torch.Tensor):
                 seen.setdefault(id(tensor), tensor)
     return list(seen.values())
+
+
+def divisor_spread(division: RecordedOp, ran: list[RecordedOp]) -> str | None:
+    """The spread (std, var, norm) the loss code's recorded ``division`` divided by, read from the records ``ran``
+    before it (divisor.py's :func:`recorded_spread`): at an event only, once its producer is claimed."""
+
+    def made_by(value: Any) -> tuple[str, tuple[Any, ...]] | None:
+        key = record_key(value)
+        found = next((op for op in reversed(ran) if key is not None and any(
+            record_key(out) == key for out in tree_leaves(op.out))), None)
+        return (str(found.func), found.args) if found is not None else None
+
+    return recorded_spread(str(division.func), division.args, made_by)

@@ -33,6 +33,7 @@ from nan_magic.localize.outside.recorded_ops import (
     WeakRecord,
     benign_copies,
     copies_from_outside,
+    divisor_spread,
     finite_now,
     last_write,
     made_from_outside_data,
@@ -179,8 +180,7 @@ class RegionRecords:
         self._produced.update((key, index + start) for key, index in other._produced.items())
         self._calls.update(other._calls)
         self.before.update(other.before)
-        if self._rng is None:
-            self._rng = other._rng
+        self._rng = self._rng if self._rng is not None else other._rng
         self._clean = False
 
     # -- at an event ----------------------------------------------------------------------
@@ -307,7 +307,8 @@ class RegionRecords:
         frame: FrameType | None = producer.frame
         hooked = self._module_of(producer, frame)
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None,
-                                      module=tracer.finding.module if hooked is None else hooked)
+                                      module=tracer.finding.module if hooked is None else hooked, spread=(
+                                          tracer.finding.spread or divisor_spread(producer, ops[:ran])))
         self.claimed_in_graph_grad = (producer.code, producer.lasti) in self.graph_grad_sites
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
@@ -329,9 +330,7 @@ class RegionRecords:
         """
         sites: list[tuple[FrameType, int, int]] = []
         while frame is not None and len(sites) < 32:
-            site = self._calls.get(frame)
-            if site is None:
-                site = self._data_calls.get(frame)
+            site = self._calls.get(frame) or self._data_calls.get(frame)
             if site is None:
                 break
             sites.append(site)

@@ -165,6 +165,21 @@ def _division_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _spread_hint(event: Report, cause: Cause) -> str:
+    """A division by a std, a variance or a norm that was 0 (localize/ops/divisor.py): its values were all equal."""
+    spread = cause.fact("spread")
+    results = [f"{count} {what}" for count, what in zip(op_counts(event), ("NaN (0/0)", "inf (x/0)")) if count]
+    zeros = divisor_phrase(event.operand("other"), _divisor_said(event, "other"))
+    alike = "0 (a zero row, a vector never written)" if spread == "norm" else (
+        "equal (a constant row, a window of equal returns, a batch of one sample repeated)")
+    eps = "1e-4" if event.dtype == "float16" else "1e-5"  # (as the division hint: 1e-12 would scale a gradient by 1e12)
+    return (
+        f"{event.op} in {where(event)} divided by a {spread} of 0{zeros}, giving {' and '.join(results)}: the values it"
+        f" measures were all {alike}, not a count of nothing; add eps to it (x / ({spread} + {eps}), or "
+        f"{spread}.clamp_min({eps}) where only some rows are 0), or take sqrt(var + eps) where the sqrt is written out"
+    )
+
+
 def _divisor_said(event: Report, name: str) -> str:
     """The divisor as the user wrote it on the line (``target.sum((1, 2, 3))``), where the line says it; else its
     schema name (``other``): "`other` (16,) held 1 zero of 16" made the reader find which tensor `other` was."""
@@ -447,6 +462,7 @@ OP_READINGS: dict[str, Reading] = {
     "soft-margin-overflow": on_event(_soft_margin_hint, _made(lambda event: f"{event.posinf} +inf"), sentence=False),
     "bessel-overflow": on_event(_bessel_hint, _made(counts), sentence=False),
     "division-by-zero": on_event(_division_hint, _division_evidence, sentence=False),
+    "spread-zero": on_event(_spread_hint, _division_evidence, sentence=False),
     "division-unknown-divisor": on_event(_division_unknown_hint, _division_evidence, sentence=False),
     "empty-quotient": _empty("a sum over nothing divided by a count of nothing (0/0)"),
     "empty-mean": _empty("an average over zero elements (0/0)"),
