@@ -12,7 +12,8 @@ step 2 (the weight becomes a plain tensor, recomputed by a forward pre-hook, its
 Data and numerics: box areas computed in ``int16`` pixels that wrap negative before ``log``; ESM-2's token dropout
 rescaling by ``1 - observed mask ratio`` of a one-residue protein whose residue the collator masked; a hand
 feature dropout (its mask drawn by ``torch.rand`` in the forward: the replay must draw the same) before an L2
-normalisation without eps; a robust scaler dividing by the interquartile range of a binary feature.
+normalisation without eps; a robust scaler dividing by the interquartile range of a binary feature; a tagger's
+``F.cross_entropy(label_smoothing=0.1)`` over tags masked with ``-inf`` (the smoothing sums them).
 Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 
@@ -413,6 +414,39 @@ def _robust(eps: float) -> Scenario:
     return _loop(model, lambda step: (xs[step],), lambda out, step: F.cross_entropy(out, ys[step]))
 
 
+# ---------------------------------------------------------------- label smoothing over tags masked with -inf
+class ConstrainedTagger(nn.Module):
+    """A tagger whose tag set depends on the token's type: tags a token cannot take are masked with ``-inf``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        return self.net(x).masked_fill(~allowed, float("-inf"))
+
+
+def _smoothed_tags(over_allowed: bool) -> Scenario:
+    """``F.cross_entropy(logits, tags, label_smoothing=0.1)``: the smoothing term spreads 0.1 over every tag, the
+    masked ones too, whose log-probability is ``-inf``. Until step 2 every token may take every tag; step 2 holds
+    the first token of a type that cannot take two of them. The twin smooths over each token's allowed tags."""
+    torch.manual_seed(0)
+    model = ConstrainedTagger()
+    xs, tags = _batches(6, 6), [torch.randint(0, 3, (6,)) for _ in range(4)]
+    allowed = [torch.ones(6, 5, dtype=torch.bool) for _ in range(4)]
+    allowed[2][4, 3:] = False
+
+    def loss(logits: torch.Tensor, step: int) -> torch.Tensor:
+        if not over_allowed:
+            return F.cross_entropy(logits, tags[step], label_smoothing=0.1)  # producer: smoothed tags
+        logp = F.log_softmax(logits, -1).masked_fill(~allowed[step], 0.0)
+        nll = -logp.gather(1, tags[step][:, None]).squeeze(1)
+        uniform = -logp.sum(-1) / allowed[step].sum(-1)
+        return (0.9 * nll + 0.1 * uniform).mean()
+
+    return _loop(model, lambda step: (xs[step], allowed[step]), loss)
+
+
 _MEANFLOW_TIERED = (
     "the report reads phase data, module None, cause bad-input-data at the mse_loss line ('target already held 4 "
     "nan'), where the NaN is the tangent torch.func.jvp made inside the model (sqrt's derivative at 0): the per-module "
@@ -463,4 +497,8 @@ CASES = [
          Expect("forward", "", "RobustScaled", step=2, op="aten.div.Tensor", marker="iqr scale",
                 cause="division-by-zero")),
     Case("hunt_s35_robust_scaler_with_eps_healthy", lambda: _robust(1e-6), None),
+    Case("hunt_s35_label_smoothing_over_tags_masked_with_minus_inf", lambda: _smoothed_tags(False),
+         Expect("forward", None, step=2, op="aten.sum.default", marker="smoothed tags", cause="masked-softmax",
+                says=(("ops", "smooth over the allowed classes by hand"),))),
+    Case("hunt_s35_label_smoothing_over_allowed_tags_healthy", lambda: _smoothed_tags(True), None),
 ]

@@ -298,8 +298,9 @@ def _masked_sum_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} added up positions masked to ±inf, so all {cause.fact('rows')} of its "
         "results are infinite: the mask was summed instead of left out (label smoothing or an entropy over a "
-        "vocabulary masked with -inf); sum "
-        "only the unmasked positions (x.masked_fill(mask, 0).sum(-1)), or mask with torch.finfo(dtype).min"
+        "vocabulary masked with -inf); sum only the unmasked positions (x.masked_fill(mask, 0).sum(-1)), or for "
+        "F.cross_entropy(label_smoothing=...) smooth over the allowed classes by hand: torch.finfo(dtype).min in "
+        "place of -inf overflows the same sum once two positions of a row are masked"
     )
 
 
