@@ -14,6 +14,8 @@ rescaling by ``1 - observed mask ratio`` of a one-residue protein whose residue 
 feature dropout (its mask drawn by ``torch.rand`` in the forward: the replay must draw the same) before an L2
 normalisation without eps; a robust scaler dividing by the interquartile range of a binary feature; a tagger's
 ``F.cross_entropy(label_smoothing=0.1)`` over tags masked with ``-inf`` (the smoothing sums them).
+A PINN's Jacobian by the loop's own ``autograd.grad(u, x, create_graph=True)`` through ``sqrt(x . x)`` at the origin
+(the NaN reaches only the input's gradient), per output and by ``is_grads_batched=True``.
 Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 
@@ -447,12 +449,64 @@ def _smoothed_tags(over_allowed: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step], allowed[step]), loss)
 
 
+# ---------------------------------------------------------------- a PINN's Jacobian by is_grads_batched
+class RadialField(nn.Module):
+    """A 2-D field u(x) with a radial feature ``|x|`` written ``sqrt(x . x)`` (or with an eps under the root)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.net, self.eps = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 2)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = torch.sqrt((x * x).sum(-1, keepdim=True) + self.eps)  # producer: radial feature
+        return self.net(torch.cat([x, r], -1))
+
+
+def _pinn_jacobian(eps: float, batched: bool = False) -> Scenario:
+    """A physics-informed loss on the divergence of a 2-D field, its Jacobian by ``autograd.grad(u[:, i].sum(), x,
+    create_graph=True)`` per output, or in one call by ``autograd.grad(u, x, grad_outputs=eye, is_grads_batched=True,
+    create_graph=True)`` (vmap over the backward); step 2's collocation points include the origin, where the root's
+    derivative is ``1 / (2 sqrt(0))`` and the square's ``2 x`` is 0: NaN. The twin adds an eps under the root."""
+    torch.manual_seed(0)
+    model = RadialField(eps)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    points = [torch.rand(8, 2) * 2 - 1 for _ in range(4)]
+    points[2][5] = 0.0
+    eye = torch.eye(2)[:, None, :].expand(2, 8, 2)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            x = points[step].clone().requires_grad_()
+            u = model(x)
+            if batched:
+                jac = torch.autograd.grad(u, x, grad_outputs=eye, is_grads_batched=True, create_graph=True)[0]
+            else:
+                jac = torch.stack([torch.autograd.grad(u[:, i].sum(), x, create_graph=True)[0] for i in range(2)])
+            divergence = jac[0, :, 0] + jac[1, :, 1]
+            loss = (divergence - 1.0).pow(2).mean() + u.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 _MEANFLOW_TIERED = (
     "the report reads phase data, module None, cause bad-input-data at the mse_loss line ('target already held 4 "
     "nan'), where the NaN is the tangent torch.func.jvp made inside the model (sqrt's derivative at 0): the per-module "
     "checks cannot read a functorch-wrapped output and the tangent never passes a module hook, so the loss code's "
     "check (hot/checks/gradients.py _given_to_the_loss) takes jvp's output for data entering the loss; a root call "
     "made inside a transform is not replayed (root_calls.rerun: transform-not-replayed). ops=True names it")
+
+_BATCHED_GRADS_TIERED = (
+    "the report reads forward, code outside any watched module, aten.div.Tensor at the autograd.grad line, cause "
+    "division-by-zero, where the NaN is sqrt's backward formula (RadialField's sqrt line, sqrt-domain): with "
+    "is_grads_batched=True the backward runs under vmap, whose batched gradients the output hooks step aside from "
+    "(patches/backward.py BATCHED_GRADS), so the grad is neither marked as the loop's create_graph grad nor are the "
+    "gradients into the model's output kept for the step replay that names the formula for the unbatched form")
 
 
 CASES = [
@@ -501,4 +555,16 @@ CASES = [
          Expect("forward", None, step=2, op="aten.sum.default", marker="smoothed tags", cause="masked-softmax",
                 says=(("ops", "smooth over the allowed classes by hand"),))),
     Case("hunt_s35_label_smoothing_over_allowed_tags_healthy", lambda: _smoothed_tags(True), None),
+    Case("hunt_s35_pinn_jacobian_by_input_grads_at_the_origin", lambda: _pinn_jacobian(0.0),
+         Expect("backward", "", "RadialField", step=2, op="aten.div.Tensor", marker="radial feature",
+                cause="sqrt-domain")),
+    Case("hunt_s35_pinn_jacobian_with_eps_under_the_root_healthy", lambda: _pinn_jacobian(1e-12), None),
+    Case("hunt_s35_pinn_jacobian_by_batched_grads_at_the_origin", lambda: _pinn_jacobian(0.0, batched=True),
+         Expect("backward", "", "RadialField", step=2, op="aten.div.Tensor", marker="radial feature",
+                cause="sqrt-domain"), modes=("ops",)),
+    Case("hunt_s35_pinn_jacobian_by_batched_grads_at_the_origin_tiered", lambda: _pinn_jacobian(0.0, batched=True),
+         Expect("backward", "", "RadialField", step=2, op="aten.div.Tensor", marker="radial feature",
+                cause="sqrt-domain"), modes=("default", "defer", "full"),
+         marks=(pytest.mark.xfail(strict=True, reason=_BATCHED_GRADS_TIERED),)),
+    Case("hunt_s35_pinn_jacobian_batched_with_eps_healthy", lambda: _pinn_jacobian(1e-12, batched=True), None),
 ]
