@@ -233,6 +233,8 @@ CAUSES = {
     "logit-edge": (_of_event("log-domain", "logit-edge", base="logit"), "got 3 values at 0 or 1 and 4 outside [0, 1]"),
     "icdf-edge": (_of_event("log-domain", "icdf-edge", base="special_ndtri"), "got 3 values at 0 or 1 and 4 outside"),
     "logdet-singular": (_of_event("log-domain", "logdet-singular", base="linalg_slogdet"), "the matrix is singular"),
+    "solve-singular": (_of_event("division-by-zero", "solve-singular", base="linalg_solve_triangular"),
+                       "the matrix it solves by (or inverts) is singular"),
     "sqrt-negative": (_of_event("sqrt-domain", "sqrt-negative"), "sqrt got 4 negatives"),
     "outside-unit": (_of_event("sqrt-domain", "outside-unit", base="acos", low=-0.5, high=1.0000001192092896),
                      "acos got values outside [-1, 1] in `self` of aten.div.Tensor in fc (Linear) (from -0.5 to "

@@ -44,6 +44,14 @@ NORMALISATION_OPS = frozenset({
 })
 
 
+#: Solves and inverses, which divide by the matrix's pivots (a MultivariateNormal's ``log_prob`` solves by its
+#: ``scale_tril``).
+_SOLVE_OPS = frozenset({
+    "linalg_solve_triangular", "triangular_solve", "linalg_solve", "linalg_solve_ex", "_linalg_solve_ex",
+    "linalg_inv", "linalg_inv_ex", "inverse", "cholesky_solve", "cholesky_inverse", "linalg_lu_solve", "lu_solve",
+})
+
+
 def forward_cause(report: Report) -> Cause:
     base = op_function(report.op)
     if base is None:
@@ -274,6 +282,14 @@ def _logdet(report: Report) -> Cause:
     return event_cause("log-domain", "logdet-singular", report, base=op_function(report.op))
 
 
+def _solve(report: Report) -> Cause:
+    """A solve by (or the inverse of) a matrix divides by its pivots: from finite operands, a non-finite result means a
+    singular matrix (a triangular factor's diagonal holding a 0: a Cholesky diagonal by ``exp`` that underflowed)."""
+    if not report.nan + report.posinf + report.neginf:
+        return overflow(report)
+    return event_cause("division-by-zero", "solve-singular", report, base=op_function(report.op))
+
+
 def _ctc(report: Report) -> Cause:
     if report.posinf and not report.nan + report.neginf:
         return event_cause("ctc-infeasible", "ctc-infeasible", report)
@@ -306,6 +322,7 @@ _OP_RULES: dict[str, Callable[[Report], Cause]] = {
     # erfinv (±inf at ±1) and ndtri (-inf at 0, +inf at 1), NaN past them: an inverse CDF of a rank n / n.
     **dict.fromkeys(("erfinv", "special_erfinv", "special_ndtri", "ndtri"), _domain_edge("icdf-edge")),
     **dict.fromkeys(("logdet", "slogdet", "linalg_slogdet"), _logdet),
+    **dict.fromkeys(_SOLVE_OPS, _solve),
 }
 
 

@@ -111,8 +111,9 @@ class WatchEvents:
         stops = self.config.on_detect == "raise"  # (an interrupt during the fix trials then ends only them)
         kept = KeptStep.of(self.localizing, finding.call, loss, self.call_replay.standing_aside)  # fixes/kept.py
         if replayed is None and kept.replays is not None and self.localizing.replays_calls and (
-                finding.call is not None or finding.phase == Phase.BACKWARD):
-            # (mode="full": what a module replay cannot vouch for, a call that wrote its own state, a gradient of ones)
+                finding.call is not None or finding.phase == Phase.BACKWARD or finding.in_graph_grad):
+            # (mode="full": what a module replay cannot vouch for, a call that wrote its own state, a gradient of ones,
+            # a formula the loop's own autograd.grad(create_graph=True) ran)
             replayed = replayed_from_the_step(kept.replays, finding, seen)
         if replays is None and kept.replays is not None and finding.tensor.role is TensorRole.BUFFER and (
                 finding.call is None):

@@ -247,6 +247,11 @@ class OpOrigins:
             self._name_type_and_model(finding)
             return
         attach_origin(finding, origin)
+        if finding.phase == Phase.FORWARD and finding.call is None and origin.phase == Phase.BACKWARD and (
+                self.tracer is not None):
+            # The loss code's own ``autograd.grad(create_graph=True)`` ran a gradient formula that made it (a PINN's
+            # derivative by its input, through sqrt at 0): a backward producer, at the node's forward line.
+            finding.phase = Phase.BACKWARD
         if finding.phase == Phase.DATA and origin.phase != Phase.BACKWARD:
             # The loop's code made the batch non-finite (``x = (x - m) / x.std(0)`` before the model call): %debug
             # opens at that op's line, not at the later line where the batch reached a boundary.

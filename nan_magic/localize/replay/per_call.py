@@ -30,6 +30,12 @@ def replayed_from_the_step(kept: StepReplays, finding: Finding, seen: Report) ->
     top = finding.call
     while top is not None and top.parent is not None:
         top = top.parent
+    if top is None and finding.in_graph_grad:
+        # The loop's own ``autograd.grad(create_graph=True)`` ran the formula (a PINN's derivative by its input, through
+        # sqrt at 0), recorded at the grad's line: the step replay runs the model calls' backward from the gradients
+        # grad sent into their outputs, as the tiered watch does, and names the formula's op and forward line.
+        report, producer = kept.localize(finding, seen)
+        return (report, producer) if report.phase == Phase.BACKWARD and report.op is not None else None
     if top is None and not (finding.phase == Phase.BACKWARD and finding.op is None):
         # (A parameter's gradient judged at the optimizer step has no call: the model calls' backward is replayed
         # from the real gradients into their outputs where no module replay named an op, as the tiered watch does.)

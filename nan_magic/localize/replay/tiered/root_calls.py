@@ -236,9 +236,12 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             args, kwargs = copy_tensors(root.args, copies), copy_tensors(root.kwargs, copies)
         # An argument that required gradients still does: a frozen model's backward reaches its input
         # (an adversarial perturbation), and a reentrant checkpoint builds its graph only from one.
-        inputs = [copies[id(tensor)].requires_grad_() for _path, tensor in [*iter_tensors(root.args),
-                                                                             *iter_tensors(root.kwargs)]
-                  if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad]
+        inputs, input_paths = [], []  # (and where each is, ``input[0]``: a gradient only it gets is named by it)
+        for path, tensor in [*(("input" + path, tensor) for path, tensor in iter_tensors(root.args)),
+                             *(("kwargs" + path, tensor) for path, tensor in iter_tensors(root.kwargs))]:
+            if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad:
+                inputs.append(copies[id(tensor)].requires_grad_())
+                input_paths.append(path)
         stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
         # An op of the replay with no user frame inside the model (an nn.Linear's, a parametrization's) was
         # run by the user's line that called the model, not by the line the replay runs from (opt.step()).
@@ -266,7 +269,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
                     outcome.boundary = _stats_at(output, _output_path(boundary))
                 else:
                     outcome.boundary = replay_backward(inner, target, root.output_grads, output, boundary, inputs,
-                                                       _originals(root))
+                                                       _originals(root), input_paths)
                     tracer = inner.origins.tracer
                     started = [origin for origin in tracer.started if origin.phase == Phase.BACKWARD] if (
                         anomaly and inner.report is None and tracer is not None) else []

@@ -25,7 +25,7 @@ from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of, tensor_stats
 from nan_magic.patches.registry import ProcessPatch, Wrap
-from nan_magic.records import Note, Phase, TensorRef, TensorStats
+from nan_magic.records import Note, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.checks.forward import ForwardChecks
@@ -98,7 +98,8 @@ class ReplayWatch(Protocol):
 
 def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[str, torch.Tensor], output: Any,
                     boundary: TensorRef | None, inputs: list[torch.Tensor],
-                    originals: dict[str, torch.Tensor] | None = None) -> TensorStats | None:
+                    originals: dict[str, torch.Tensor] | None = None, input_paths: list[str] | None = None
+                    ) -> TensorStats | None:
     """A model call's backward, replayed from its captured output gradients into scratch gradients.
 
     The nested watch sees the gradients flowing into each module; a
@@ -109,7 +110,8 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
     parameter gradient named by ``boundary``. ``originals``: the call's
     outputs still alive, by path: the gradient captured is the one the
     watch's hook saw, before the user's hooks on that output ran (they were
-    registered after it), so theirs run on the replay's output too.
+    registered after it), so theirs run on the replay's output too. ``input_paths``: where each of ``inputs`` is in
+    the call (``input[0]``), the name of a non-finite gradient that only an input gets.
     """
     for path, tensor in iter_tensors(output, "output", attributes=True):
         original = (originals or {}).get(path)
@@ -126,10 +128,11 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
     named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
     if not pairs or not (named or inputs):
         return None
-    grads = torch.autograd.grad(
+    every = torch.autograd.grad(
         [tensor for tensor, _grad in pairs], [*(p for _name, p in named), *inputs],
         grad_outputs=[grad for _tensor, grad in pairs], allow_unused=True,
-    )[: len(named)]
+    )
+    grads = every[: len(named)]
     found = None
     for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
         if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
@@ -142,6 +145,17 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
             inner.optimizers.reports.attribute(finding)
             inner.origins.add_op_origin(finding, grad)
             inner.emit(finding)
+    if inner.report is None:
+        # No module boundary and no parameter saw it: a gradient the model's own formula made non-finite on its way
+        # to an argument only (a PINN's ``autograd.grad(u, x)`` through ``sqrt(x . x)`` at the origin).
+        for index, grad in enumerate(every[len(named):]):
+            if grad is not None and relevant_kinds(kinds_of(grad), inner.config.kinds):
+                path = input_paths[index] if input_paths is not None else f"input[{index}]"
+                finding = Finding(Phase.BACKWARD, None, TensorRef(TensorRole.OUTPUT_GRADIENT, None, path),
+                                  bad=grad.detach())
+                inner.origins.add_op_origin(finding, grad)
+                inner.emit(finding)
+                break
     return found
 
 

@@ -58,6 +58,15 @@ def _logdet_hint(event: Report, cause: Cause) -> str:
     )
 
 
+def _solve_hint(event: Report, cause: Cause) -> str:
+    return (
+        f"{cause.fact('base')} in {where(event)} gave {counts(event)}: the matrix it solves by (or inverts) is "
+        "singular, a 0 on a triangular factor's diagonal (a Cholesky or scale diagonal made by exp(x), which "
+        "underflows to 0) or collinear rows; keep the diagonal positive (softplus(x) + 1e-3) or add jitter to it "
+        "(A + 1e-6 * torch.eye(n))"
+    )
+
+
 def _number_hint(event: Report, cause: Cause) -> str:
     given = ", ".join(f"{input_label(event, name)} = {value}" for name, value in event.nonfinite_numbers)
     return (
@@ -304,8 +313,9 @@ def _masked_sum_hint(event: Report, cause: Cause) -> str:
     return (
         f"{event.op} in {where(event)} added up positions masked to ±inf, so all {cause.fact('rows')} of its "
         "results are infinite: the mask was summed instead of left out (label smoothing or an entropy over a "
-        "vocabulary masked with -inf); sum "
-        "only the unmasked positions (x.masked_fill(mask, 0).sum(-1)), or mask with torch.finfo(dtype).min"
+        "vocabulary masked with -inf); sum only the unmasked positions (x.masked_fill(mask, 0).sum(-1)), or for "
+        "F.cross_entropy(label_smoothing=...) smooth over the allowed classes by hand: torch.finfo(dtype).min in "
+        "place of -inf overflows the same sum once two positions of a row are masked"
     )
 
 
@@ -453,6 +463,7 @@ OP_READINGS: dict[str, Reading] = {
     "gamma-pole": on_event(_gamma_hint, _made(counts), sentence=False),
     **dict.fromkeys(("atanh-edge", "logit-edge", "icdf-edge"), on_event(edge_hint, _made(counts), sentence=False)),
     "logdet-singular": on_event(_logdet_hint, _made(counts), sentence=False),
+    "solve-singular": on_event(_solve_hint, _made(counts), sentence=False),
     "sqrt-negative": on_event(_sqrt_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "outside-unit": on_event(_outside_unit_hint, _made(lambda event: f"{event.nan} nan"), sentence=False),
     "rsqrt-zero": on_event(_rsqrt_hint, _made(lambda event: f"{event.posinf + event.neginf} inf"), sentence=False),
