@@ -1,8 +1,10 @@
 """Healthy training that must stay silent in every mode (session 35), and leave no trace.
 
-This file: the harness, and the rows of values and gradients (GradScaler schedules of the user's own, NaN-padded
+This file: the harness, and the rows of values and gradients (GradScaler schedules of the user's own and scaled
+losses that overflow float32, under accumulation and under ``unscale_`` and clipping; NaN-padded
 data read by nansum/nanmean/nan_to_num, +inf and -inf fills, label smoothing with ignored targets, torch.func in a
-loss, checkpointing both ways, complex layers, fake quantization). calm_s35b.py: the rows of structure (a dict
+loss, checkpointing both ways, complex layers, fake quantization), and ``clip_grad_norm_``'s foreach kernel
+(a strict xfail: the gradients' version counters, _FOREACH_VERSIONS). calm_s35b.py: the rows of structure (a dict
 output holding None, optimizers made or grown in the watch, shared and tied modules, parametrizations, sparse
 gradients, the user's own hooks and modes, anomaly detection, inference-mode evaluation, a dtype change mid-loop).
 
@@ -22,6 +24,7 @@ import sys
 from typing import Any
 
 import numpy
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -191,6 +194,67 @@ def _scaler_schedule(new_scale: bool) -> Scenario:
         return finish([*losses, torch.tensor(scaler.get_scale())], model, opt)
 
     return Scenario((model, opt), run)
+
+
+def _scaler_overflow_accumulated(clip: bool) -> Scenario:
+    """Gradient accumulation over two micro-batches under a GradScaler whose scale overflows the first steps'
+    scaled losses; or one step a batch with ``unscale_`` and ``clip_grad_norm_`` before ``scaler.step`` (the
+    clipped norm of overflowed gradients is inf/NaN on the skipped steps)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**125, backoff_factor=2.0**-20)
+    xs, y = [torch.randn(6, 8) * 4 for _ in range(2)], torch.randn(6, 2)
+
+    def run() -> tuple[Any, ...]:
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            for x in xs if not clip else xs[:1]:
+                loss = F.mse_loss(model(x), y) * 64 / (1 if clip else len(xs))
+                scaler.scale(loss).backward()
+                losses.append(loss.detach())
+            if clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)  # (foreach: _FOREACH_VERSIONS)
+            scaler.step(opt)
+            scaler.update()
+        return finish([*losses, torch.tensor(scaler.get_scale())], model, opt)
+
+    return Scenario((model, opt), run)
+
+
+def _clipped_foreach() -> Scenario:
+    """``clip_grad_norm_`` with its default foreach kernel every step (the gradients written in place)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x, y = torch.randn(6, 8) * 4, torch.randn(6, 2)
+
+    def loss_of(step: int) -> torch.Tensor:
+        return F.mse_loss(model(x), y)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def run() -> tuple[Any, ...]:
+        losses = []
+        for _ in range(3):
+            loss = loss_of(0)
+            opt.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            losses.append(loss.detach())
+        return finish(losses, model, opt)
+
+    return Scenario((model, opt), run)
+
+
+_FOREACH_VERSIONS = (
+    "the gradients' version counters: a foreach in-place op (clip_grad_norm_'s _foreach_mul_) run under a "
+    "TorchDispatchMode does not bump them (torch 2.13: a plain mul_ does), and the watch's code recorder (the update "
+    "region, in every mode; ops=True: the op tracer too) is one: after clip_grad_norm_ each gradient's _version is "
+    "one less than unwatched. Values are bit-identical; what a user could see is autograd's check of a saved "
+    "tensor modified in place (a gradient saved by a create_graph graph, then clipped) not raising under the watch")
 
 
 def _nan_padded_targets() -> Scenario:
@@ -471,6 +535,8 @@ def _qat_fake_quantize_modules() -> Scenario:
 ROWS = {
     "scaler-own-backoff-schedule": lambda: _scaler_schedule(new_scale=False),
     "scaler-new-scale-each-step": lambda: _scaler_schedule(new_scale=True),
+    "scaler-overflow-accumulated": lambda: _scaler_overflow_accumulated(clip=False),
+    "scaler-overflow-unscaled-and-clipped": lambda: _scaler_overflow_accumulated(clip=True),
     "nansum-over-nan-padded-targets": _nan_padded_targets,
     "nan-cleaned-before-the-model-call": _nan_cleaned_after_the_model_call,
     "running-min-max-buffers-from-inf": _running_min_buffer,
@@ -490,7 +556,12 @@ ROWS = {
 }
 
 # Benign events a row must record (0 unless stated): the scaler rows skip steps on purpose.
-BENIGN: dict[str, int | None] = {"scaler-own-backoff-schedule": 2, "scaler-new-scale-each-step": 3}
+BENIGN: dict[str, int | None] = {"scaler-own-backoff-schedule": 2, "scaler-new-scale-each-step": 3,
+                                 "scaler-overflow-accumulated": 1, "scaler-overflow-unscaled-and-clipped": 1}
 
-CASES = [Case(f"calm_s35_{name}", lambda build=build: traceless(build()), None, benign=BENIGN.get(name, 0))
-         for name, build in ROWS.items()]
+CASES = [
+    *(Case(f"calm_s35_{name}", lambda build=build: traceless(build()), None, benign=BENIGN.get(name, 0))
+      for name, build in ROWS.items()),
+    Case("calm_s35_clip-grad-norm-foreach-versions", lambda: traceless(_clipped_foreach()), None, benign=0,
+         marks=(pytest.mark.xfail(strict=True, reason=_FOREACH_VERSIONS),)),
+]

@@ -5,7 +5,8 @@ a module, weight tying, an orthogonal parametrization, sparse embedding gradient
 finder that stops itself, anomaly detection and inference-mode evaluation inside the watch, a model moved to
 float64 mid-loop, the user's own hooks (forward, pre-forward with kwargs, backward-pre, global, always-called),
 modes (TorchFunctionMode, TorchDispatchMode) and saved-tensor hooks around the step, an optimizer stepped in
-backward, freezing and unfreezing, partial backward, resumed state dicts, a momentum encoder. The harness (and
+backward, freezing and unfreezing, partial backward, resumed state dicts, a momentum encoder, pruning mid-loop,
+a multi-grad hook and a head re-initialised by ``model.apply``. The harness (and
 what each row returns) is calm_s35.py's.
 """
 
@@ -548,6 +549,64 @@ def _default_dtype_and_determinism() -> Scenario:
     return Scenario((), run)
 
 
+def _pruned_mid_loop() -> Scenario:
+    """``nn.utils.prune.l1_unstructured`` applied to a watched layer at step 1 (a forward pre-hook, a
+    ``weight_orig`` parameter and a mask buffer added mid-loop; the optimizer given the new parameter), made
+    permanent by ``prune.remove`` at step 3."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+
+    def step_of(step: int) -> torch.Tensor:
+        if step == 1:
+            nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+            opt.param_groups[0]["params"] = list(model.parameters())
+        if step == 3:
+            nn.utils.prune.remove(model[0], "weight")
+            opt.param_groups[0]["params"] = list(model.parameters())
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return _loop(model, opt, step_of, steps=5)
+
+
+def _multi_grad_hook_and_reinit() -> Scenario:
+    """A user's ``register_multi_grad_hook`` over the model's outputs (counting the gradients it sees), and the
+    head re-initialised by ``model.apply`` at step 2 (a restart of the head, as in a reset schedule)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(8, 16), "a": nn.Linear(16, 2), "b": nn.Linear(16, 2)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    seen: list[int] = []
+
+    def reinit(m: nn.Module) -> None:
+        if m is model["b"]:
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def step_of(step: int) -> torch.Tensor:
+        if step == 2:
+            model.apply(reinit)
+        h = torch.tanh(model["body"](x))
+        a, b = model["a"](h), model["b"](h)
+        handle = torch.autograd.graph.register_multi_grad_hook(
+            (a, b), lambda grads: seen.append(sum(g is not None for g in grads)))
+        loss = F.mse_loss(a, y) + F.mse_loss(b, y)
+        opt.zero_grad()
+        loss.backward()
+        handle.remove()
+        opt.step()
+        return loss
+
+    scenario = _loop(model, opt, step_of, steps=4)
+    run = scenario.run
+    return Scenario(scenario.targets, lambda: (run(), list(seen)), scenario.options)
+
+
 ROWS = {
     "dict-output-holding-none": _dict_output_with_none,
     "optimizer-made-in-the-cell": _optimizer_made_in_the_cell,
@@ -571,6 +630,8 @@ ROWS = {
     "resume-state-dicts-mid-loop": _resume_state_dicts,
     "momentum-encoder-in-forward": _momentum_encoder,
     "default-dtype-and-determinism-in-the-cell": _default_dtype_and_determinism,
+    "pruned-mid-loop": _pruned_mid_loop,
+    "multi-grad-hook-and-reinit-by-apply": _multi_grad_hook_and_reinit,
 }
 
 CASES = [Case(f"calm_s35b_{name}", lambda build=build: traceless(build()), None, benign=0)
