@@ -80,7 +80,7 @@ def test_the_footprint_tells_each_trace_left(trace: str) -> None:
 def _scaled(overflow_before_scale: bool) -> Callable[[], list[torch.Tensor]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126, backoff_factor=2.0**-16)
     x, y = torch.randn(6, 8) * 4, torch.randn(6, 2)
 
