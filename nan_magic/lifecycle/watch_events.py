@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import stamp
@@ -180,6 +181,13 @@ class WatchEvents:
         if not self.optimizers.hold_gradient_event(finding):
             self.emit(finding)
 
+    def on_loss_event(self, finding: Finding) -> None:
+        """A non-finite loss: held as a backward event is where ``scaler.scale`` made it (a finite loss times an
+        enabled scaler's scale past the dtype's max: the scaled gradients overflow and the scaler skips the step,
+        PRODUCT.md's benign); a loss non-finite before it was scaled is emitted."""
+        if not (_scaled_overflow(finding, self.optimizers) and self.optimizers.hold_gradient_event(finding)):
+            self.emit(finding)
+
     # -- events ---------------------------------------------------------------------
 
     def emit(self, finding: Finding, replayed: tuple[Report, Producer] | None = None) -> None:
@@ -205,6 +213,22 @@ class WatchEvents:
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
+
+
+def _scaled_overflow(finding: Finding, optimizers: OptimizerChecks) -> bool:
+    """``finding``'s op is the mul of ``scaler.scale(loss)`` while an enabled scaler is in use: finite operands
+    (the tensors the recorded loss code kept, else the tracer's statistics of them), one a single number of at least
+    1 (the scale). Not compared with the scaler's scale now: a skipped step's loss code is held for the next
+    (gradient accumulation's), and a schedule that sets the scale each step (``update(new_scale=...)``) may have the
+    recorded operand at the scale of the step before."""
+    if not optimizers.scaler_active() or finding.op != "aten.mul.Tensor":
+        return False
+    operands = [(tensor.numel(), bool(torch.isfinite(tensor).all()), float(tensor.max()))
+                for _ref, tensor in finding.inputs] or [
+        (stats.numel, None not in (stats.nan, stats.posinf, stats.neginf) and not stats.nonfinite, stats.max or 0.0)
+        for _ref, stats in finding.input_stats]
+    return len(operands) == 2 and all(finite for _n, finite, _v in operands) and any(
+        numel == 1 and value >= 1 for numel, _finite, value in operands)
 
 
 def _model_caller(replays: StepReplays, finding: Finding) -> Caller | None:

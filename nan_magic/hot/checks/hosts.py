@@ -330,6 +330,8 @@ class GradientHost(_Checker, Protocol):
 
     def on_gradient_event(self, finding: Finding) -> None: ...
 
+    def on_loss_event(self, finding: Finding) -> None: ...
+
 
 class _Stopped(Protocol):
     @property

@@ -1,0 +1,122 @@
+"""Session 35's healthy rows (tests/contract/calm_s35*.py): their harness can fail, and the scaler fix they found.
+
+A :class:`~contract.calm_s35.Footprint` must tell each trace a watch could leave (a global hook, a patched torch
+function, a bumped version counter, an attribute on a parameter, a draw from Python's random stream, a mode left
+on the stack): each is left here by hand, and the footprint must differ from a clean run's.
+
+The fix: a GradScaler whose scale makes the scaled loss itself overflow float32 (a finite loss times the scale
+past 3.4e38, as a scale grown over a long run or set by the user's schedule does) skips that step, which is
+benign (PRODUCT.md). Before, the watch raised on the scaled loss in every mode (ops=True: torch's mul in
+``GradScaler.scale`` was taken for nan_magic's own op and its origin dropped). A loss already non-finite before
+it was scaled is still an event, raised at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from contract import MODE_OPTIONS
+from contract.calm_s35 import Footprint
+from torch import nn
+from torch.nn import functional as F
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+
+def _run(leave: Callable[[nn.Module, torch.optim.Optimizer], Any] | None) -> Footprint:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    footprint = Footprint((model, opt))
+    random.seed(0)
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    if leave is not None:
+        leave(model, opt)
+    return footprint.end()
+
+
+def _bump_version(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    with torch.no_grad():
+        model[0].weight.add_(0)
+
+
+def _patch_tensor(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    original = torch.Tensor.sum
+    torch.Tensor.sum = lambda self, *args, **kwargs: original(self, *args, **kwargs)  # type: ignore[method-assign]
+
+
+_TRACES: dict[str, Callable[[nn.Module, torch.optim.Optimizer], Any]] = {
+    "global forward hook": lambda m, o: nn.modules.module.register_module_forward_hook(lambda *a: None),
+    "patched Tensor method": _patch_tensor,
+    "version counter bumped": _bump_version,
+    "attribute on a parameter": lambda m, o: setattr(m[0].weight, "_seen", True),
+    "gradient hook on a parameter": lambda m, o: m[2].bias.register_hook(lambda g: g),
+    "draw from Python's random": lambda m, o: random.random(),
+    "optimizer group key": lambda m, o: o.param_groups[0].setdefault("_watched", True),
+    "module class swapped": lambda m, o: setattr(m[1], "__class__", type("Tanh", (nn.Tanh,), {})),
+}
+
+
+@pytest.mark.parametrize("trace", list(_TRACES))
+def test_the_footprint_tells_each_trace_left(trace: str) -> None:
+    undo = {"patched Tensor method": torch.Tensor.sum}
+    try:
+        clean, again = _run(None), _run(None)
+        assert clean == again
+        left = _run(_TRACES[trace])
+        assert left != again
+    finally:
+        torch.Tensor.sum = undo["patched Tensor method"]  # type: ignore[method-assign]
+        nn.modules.module._global_forward_hooks.clear()
+
+
+def _scaled(overflow_before_scale: bool) -> Callable[[], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126, backoff_factor=2.0**-16)
+    x, y = torch.randn(6, 8) * 4, torch.randn(6, 2)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            loss = F.mse_loss(model(x), y) * 64
+            if overflow_before_scale and step == 2:
+                loss = torch.exp(loss * 100)  # (e^5000: +inf in float32 on any kernel)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.detach())
+        return losses
+
+    return run
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_a_scaled_loss_that_overflows_is_a_benign_skip(mode: str) -> None:
+    expected = _scaled(False)()
+    run = _scaled(False)
+    with nan_magic.watch(**MODE_OPTIONS[mode]) as w:
+        got = run()
+    assert w.report is None, w.report.message if w.report else ""
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    skipped = [event for event in w.events if event.benign]
+    assert len(skipped) == 1 and skipped[0].step == 0, [event.message for event in w.events]
+    assert "skipped" in skipped[0].to_text()
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_a_loss_infinite_before_it_was_scaled_is_still_raised(mode: str) -> None:
+    run = _scaled(True)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(**MODE_OPTIONS[mode]):
+        run()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.benign) == ("forward", None, 1, False), report.message
