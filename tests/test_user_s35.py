@@ -1,0 +1,47 @@
+"""Session 35's walk, in-process: what its notebooks (tests/notebooks/user_s35/) showed wrong, each as a test.
+
+A price regressor cast to float16 with ``.half()`` (its squared error overflows 65504): the float32 fix was verified,
+but the edit it suggested read ``price[i:i.float() + 64].float().half()``: ``.float()`` on the slice's Python int
+(an AttributeError when pasted) and the line's own ``.half()`` cast kept after the upcast, so the pasted line computed
+in float16 again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nan_magic
+from nan_magic.render.edits import suggested_edit
+
+LINE = "loss = ((pred - price[i:i + 64].half()) ** 2).sum()"
+
+
+def _half_price() -> nan_magic.Report:
+    torch.manual_seed(0)
+    X = torch.randn(256, 8)
+    price = 300.0 + 40.0 * X[:, :1]
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for i in range(0, 256, 64):
+            pred = model(X[i:i + 64].half())
+            loss = ((pred - price[i:i + 64].half()) ** 2).sum()
+            opt.zero_grad(); loss.backward(); opt.step()  # noqa: E702
+    return caught.value.report
+
+
+def test_the_float32_edit_of_a_half_cast_line_upcasts_the_tensors_not_the_slice_and_drops_the_half() -> None:
+    report = _half_price()
+    assert report.op == "aten.pow.Tensor_Scalar" and report.step == 0 and report.source.line.strip() == LINE
+    (trial,) = [trial for trial in report.fixes if trial.kind == "float32"]
+    assert trial.finite
+    edit = suggested_edit(trial)
+    # Was "loss = ((pred.float() - price[i:i.float() + 64].float().half()) ** 2).sum()"
+    assert edit is not None and edit.endswith(": loss = ((pred.float() - price[i:i + 64].float()) ** 2).sum()"), edit
+    # pasted, it runs and computes in float32: finite where the user's line overflowed
+    code = edit.split(": ", 1)[1]
+    scope = {"pred": torch.full((64, 1), 0.5, dtype=torch.float16), "price": torch.full((256, 1), 400.0), "i": 64}
+    exec(code, {}, scope)
+    assert scope["loss"].dtype == torch.float32 and torch.isfinite(scope["loss"])
