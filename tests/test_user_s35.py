@@ -3,13 +3,16 @@
 A price regressor cast to float16 with ``.half()`` (its squared error overflows 65504): the float32 fix was verified,
 but the edit it suggested read ``price[i:i.float() + 64].float().half()``: ``.float()`` on the slice's Python int
 (an AttributeError when pasted) and the line's own ``.half()`` cast kept after the upcast, so the pasted line computed
-in float16 again.
+in float16 again. A siamese network calls its one encoder twice a step, on the two photos of each pair, and one loss
+takes both: its report said "the step's 2nd model call: with gradient accumulation, its 2nd micro-batch" and "the
+step's other micro-batches were not replayed", of a loop that accumulates nothing.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nan_magic
@@ -45,3 +48,33 @@ def test_the_float32_edit_of_a_half_cast_line_upcasts_the_tensors_not_the_slice_
     scope = {"pred": torch.full((64, 1), 0.5, dtype=torch.float16), "price": torch.full((256, 1), 400.0), "i": 64}
     exec(code, {}, scope)
     assert scope["loss"].dtype == torch.float32 and torch.isfinite(scope["loss"])
+
+
+def _siamese() -> nan_magic.Report:
+    torch.manual_seed(0)
+    imgs = torch.randn(64, 1, 8, 8)
+    imgs[41] = imgs[17]  # the same photo uploaded twice, paired with its copy as "different"
+    pairs = torch.stack([torch.arange(64), torch.randperm(64)], 1)
+    pairs[45] = torch.tensor([17, 41])
+    same = (torch.rand(64) < 0.5).float()
+    same[45] = 0.0
+    emb = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 16))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.05)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(emb, opt):
+        for i in range(0, 64, 16):
+            p = pairs[i:i + 16]
+            a, b = emb(imgs[p[:, 0]]), emb(imgs[p[:, 1]])
+            d = ((a - b) ** 2).sum(1).sqrt()
+            loss = (same[i:i + 16] * d ** 2 + (1 - same[i:i + 16]) * F.relu(1.0 - d) ** 2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()  # noqa: E702
+    return caught.value.report
+
+
+def test_a_siamese_pairs_second_encoder_call_is_not_called_a_micro_batch_of_gradient_accumulation() -> None:
+    report = _siamese()
+    assert (report.phase.value, report.step, report.model_call) == ("backward", 2, 2)
+    text = report.to_text()
+    assert "step        2 (the step's 2nd model call)\n" in text, text
+    assert "Fixes tried on a replay of step 2's 2nd model call alone (the step's other model calls were not " \
+        "replayed; on copies" in text
+    assert "micro-batch" not in text and "accumulation" not in text
