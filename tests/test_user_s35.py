@@ -5,10 +5,14 @@ but the edit it suggested read ``price[i:i.float() + 64].float().half()``: ``.fl
 (an AttributeError when pasted) and the line's own ``.half()`` cast kept after the upcast, so the pasted line computed
 in float16 again. A siamese network calls its one encoder twice a step, on the two photos of each pair, and one loss
 takes both: its report said "the step's 2nd model call: with gradient accumulation, its 2nd micro-batch" and "the
-step's other micro-batches were not replayed", of a loop that accumulates nothing.
+step's other micro-batches were not replayed", of a loop that accumulates nothing. A hand-written batch norm's
+``x.var(0)`` on the epoch's last batch of one row: torch's "degrees of freedom is <= 0" warning stood three times above
+the error, once from the user's step and once from each replay of it.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -78,3 +82,27 @@ def test_a_siamese_pairs_second_encoder_call_is_not_called_a_micro_batch_of_grad
     assert "Fixes tried on a replay of step 2's 2nd model call alone (the step's other model calls were not " \
         "replayed; on copies" in text
     assert "micro-batch" not in text and "accumulation" not in text
+
+
+def test_torchs_warning_in_the_users_step_is_said_once_not_again_by_each_replay() -> None:
+    torch.manual_seed(0)
+    X = torch.randn(97, 4)  # batches of 32, 32, 32 and 1
+    y = (X[:, 0] > 0).long()
+
+    class MyBatchNorm(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x - x.mean(0)) / torch.sqrt(x.var(0) + 1e-5)
+
+    net = nn.Sequential(nn.Linear(4, 16), MyBatchNorm(), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("default")  # Python's own for a UserWarning: once per place
+        with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(net, opt):
+            for i in range(0, 97, 32):
+                loss = F.cross_entropy(net(X[i:i + 32]), y[i:i + 32])
+                opt.zero_grad(); loss.backward(); opt.step()  # noqa: E702
+    report = caught.value.report
+    assert (report.module, report.op, report.step) == ("1", "aten.var.correction", 3)
+    assert [trial.finite for trial in report.fixes] == [True]  # (the replays ran: the fix was tried)
+    said = [str(w.message) for w in heard if "degrees of freedom" in str(w.message)]
+    assert len(said) == 1, said  # was 3: the step's own, then the localizing replay's and the fix trial's
