@@ -173,7 +173,7 @@ def test_a_later_micro_batchs_trials_say_they_replayed_that_call_alone(mode: str
     report, _state = run("accumulated", mode)
     assert report.model_call == 3
     text, html = " ".join(report.to_text().split()), " ".join(report.to_html().split())
-    said = ("Fixes tried on a replay of step 0's 3rd model call alone (the step's other micro-batches were not "
+    said = ("Fixes tried on a replay of step 0's 3rd model call alone (the step's other model calls were not "
             "replayed; on copies: your model, optimizer and data are untouched)")
     assert said in text and said.replace("'", "&#x27;") in html
 

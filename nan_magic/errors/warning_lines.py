@@ -16,12 +16,15 @@ of Python's warnings.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.locations import cell_location
 
-__all__ = ["NOWHERE", "cell_named", "watch_warning"]
+__all__ = ["NOWHERE", "cell_named", "heard_in_the_step", "watch_warning"]
 
 #: The filename of a warning of ours that no user's line is the place of (said as a ``%nanwatch`` cell ends,
 #: from IPython's cell events): printed as ``NanMagicWarning: ...``, with no place.
@@ -59,3 +62,18 @@ def cell_named(format_warning: Any) -> Any:
         return text.replace(prefix, f"{named}:", 1)
 
     return format_named
+
+
+@contextmanager
+def heard_in_the_step() -> Iterator[None]:
+    """Around an event's replays and fix trials, which run the user's step again: the warnings that code gives
+    (torch's ``var(): degrees of freedom is <= 0``, the user's own) were said as the step ran, and a watch entering
+    resets Python's once-per-place registry, so each replay said them again. Only the watch's own are said."""
+    heard: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as heard:  # (the filters as they are: an error filter still raises)
+            yield
+    finally:
+        for said in heard:
+            if _ours(said.message):
+                warnings.warn_explicit(said.message, said.category, said.filename, said.lineno, source=said.source)

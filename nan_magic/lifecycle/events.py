@@ -34,7 +34,7 @@ from nan_magic.errors.frames import (
     user_frames_of,
     user_stacklevel,
 )
-from nan_magic.errors.warning_lines import watch_warning
+from nan_magic.errors.warning_lines import heard_in_the_step, watch_warning
 from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -252,7 +252,8 @@ class Events:
         KeyboardInterrupt and no report. Where the run goes on after the event (warn, log), it stops the run.
         """
         try:
-            return self.context.localize(finding, report)
+            with heard_in_the_step():  # (the user's step run again: its warnings were said as it ran)
+                return self.context.localize(finding, report)
         except KeyboardInterrupt:
             if self.config.on_detect != "raise":
                 raise

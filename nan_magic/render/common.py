@@ -263,9 +263,8 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
             rows.append(("line", report.source.line.strip()))
     rows.append(("phase", str(report.phase)))
     nth = ordinal(report.model_call) if report.model_call else None
-    # (One model watched: its calls are the micro-batches. Two, a GAN's: the count takes in both models' calls.)
-    batch = f": with gradient accumulation, its {nth} micro-batch" if report.models_watched == 1 else ""
-    rows.append(("step", str(report.step) if nth is None else f"{report.step} (the step's {nth} model call{batch})"))
+    # (Not "its 2nd micro-batch": a siamese pair's two calls of one encoder feed one loss, nothing accumulated.)
+    rows.append(("step", str(report.step) if nth is None else f"{report.step} (the step's {nth} model call)"))
     if report.rank is not None:
         rows.append(("rank", f"{report.rank} of {report.world_size}"))
     tensor = str(report.tensor)

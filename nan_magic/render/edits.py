@@ -15,6 +15,10 @@ import math
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial
+from nan_magic.render.edit_numbers import math_call as _math_call
+from nan_magic.render.edit_numbers import may_be_number as _may_be_number
+from nan_magic.render.edit_numbers import python_number as _python_number
+from nan_magic.render.edit_numbers import value_of as _value
 from nan_magic.render.words.causes.phrases import fmt
 
 __all__ = ["suggested_edit"]
@@ -156,6 +160,12 @@ class _Edit(ast.NodeTransformer):
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
         return node
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.expr:
+        """``price[i:i + 64]``: the float32 edit upcasts the subscripted tensor, never its index (``i.float()``)."""
+        if self.trial.kind == "float32":
+            node.value = self.visit(node.value)
+        return node if self.trial.kind == "float32" else self.generic_visit(node)  # type: ignore[return-value]
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
         if self.trial.kind == "float32":
@@ -311,6 +321,9 @@ class _Edit(ast.NodeTransformer):
         if name in ("float", "to", "transpose", "view", "reshape", "size"):
             self.generic_visit(node)
             return node
+        if name in ("half", "bfloat16") and isinstance(node.func, ast.Attribute) and not node.args:
+            # ``price[i:j].half()``: the line's own cast becomes the upcast (kept, it undid the upcast)
+            return self._mark(_float(self.visit(node.func.value), self.upcast))
         node.func = self.visit(node.func)
         func = node.func
         while isinstance(func, ast.Attribute):
@@ -338,8 +351,7 @@ class _Edit(ast.NodeTransformer):
 #: A BinOp's operator -> the names its torch function may have in a function mode (``h * 0.5``: ``mul``).
 _OPERATORS = {ast.Add: ("add", "__add__", "__radd__"), ast.Sub: ("sub", "rsub", "__sub__", "__rsub__"),
               ast.Mult: ("mul", "__mul__", "__rmul__"), ast.Div: ("div", "__truediv__", "__rtruediv__", "__rdiv__"),
-              ast.Pow: ("pow", "__pow__", "__rpow__"), ast.FloorDiv: ("floor_divide", "__floordiv__",
-                                                                       "__rfloordiv__"),
+              ast.Pow: ("pow", "__pow__", "__rpow__"), ast.FloorDiv: ("floor_divide", "__floordiv__", "__rfloordiv__"),
               ast.Mod: ("remainder", "__mod__", "__rmod__")}
 
 
@@ -400,58 +412,6 @@ def _written(tree: ast.AST) -> set[tuple[str, int, float]]:
             found |= {(name or "", index + offset, value) for index, argument in enumerate(node.args)
                       if (value := _value(argument)) is not None}
     return found
-
-
-def _value(node: ast.AST) -> float | None:
-    """The value of arithmetic on numbers written out (``0.5``, ``-1``, ``1 / 3``, ``2 ** 0.5``), else None."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = _value(node.operand)
-        return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
-    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-        left, right = _value(node.left), _value(node.right)
-        if left is None or right is None or (isinstance(node.op, ast.Pow) and abs(right) > 64):
-            return None
-        try:
-            return float(_ARITHMETIC[type(node.op)](left, right))
-        except (ArithmeticError, ValueError, TypeError):
-            return None
-    return _literal(node)
-
-
-_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-               ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b, ast.FloorDiv: lambda a, b: a // b,
-               ast.Mod: lambda a, b: a % b}
-
-
-def _math_call(node: ast.expr) -> bool:
-    """``math.sqrt(d)``: a Python number, whatever its arguments (``.float()`` on them raises)."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
-        node.func.value, ast.Name) and node.func.value.id == "math"
-
-
-def _python_number(node: ast.expr) -> bool:
-    """Whether an expression cannot hold a tensor: numbers written out, ``math`` calls, arithmetic of them."""
-    if isinstance(node, ast.BinOp):
-        return _python_number(node.left) and _python_number(node.right)
-    return _value(node) is not None or _math_call(node)
-
-
-def _may_be_number(node: ast.expr) -> bool:
-    """Whether an expression may hold a Python number: a name, an attribute, an item, and arithmetic of them."""
-    if isinstance(node, ast.BinOp):
-        return _may_be_number(node.left) and _may_be_number(node.right)
-    if isinstance(node, ast.UnaryOp):
-        return _may_be_number(node.operand)
-    return isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)) or _python_number(node)
-
-
-def _literal(node: ast.AST) -> float | None:
-    """The value of a number written out (``0.5``, ``-1``, ``2e5``), else None."""
-    sign = -1.0 if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) else 1.0
-    node = node.operand if isinstance(node, ast.UnaryOp) else node
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return sign * float(node.value)
-    return None
 
 
 def _number(node: ast.expr) -> bool:

@@ -189,12 +189,11 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
 
 def fixes_title(report: Report) -> str:
     verified = sum(1 for trial in report.fixes if trial.finite)
-    # (a later model call's event, a micro-batch's or another model's: the trials replay that call alone, and step
-    # on its gradients alone)
-    others = "model calls" if report.models_watched > 1 else "micro-batches"
+    # (a later model call's event, a micro-batch's, a siamese pair's 2nd or another model's: the trials replay that
+    # call alone, and step on its gradients alone)
     later = report.model_call if isinstance(report.model_call, int) else 0
     alone = f"'s {ordinal(later)} model call alone" if later else ""
-    skipped = f"the step's other {others} were not replayed; " if later else ""
+    skipped = "the step's other model calls were not replayed; " if later else ""
     return (f"Fixes tried on a replay of step {report.step}{alone} ({skipped}on copies: your model, optimizer and "
             f"data are untouched): {verified} of {len(report.fixes)} verified")
 

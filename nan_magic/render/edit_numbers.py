@@ -1,0 +1,63 @@
+"""What an edited line's expressions hold: numbers written out, arithmetic on them, ``math`` calls (edits.py).
+
+An edit upcasts or clamps tensors; an expression that can only be a Python number is left as written (``.float()``
+on it raises).
+"""
+
+from __future__ import annotations
+
+import ast
+
+__all__ = ["literal", "math_call", "may_be_number", "python_number", "value_of"]
+
+
+def value_of(node: ast.AST) -> float | None:
+    """The value of arithmetic on numbers written out (``0.5``, ``-1``, ``1 / 3``, ``2 ** 0.5``), else None."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = value_of(node.operand)
+        return None if inner is None else (-inner if isinstance(node.op, ast.USub) else inner)
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = value_of(node.left), value_of(node.right)
+        if left is None or right is None or (isinstance(node.op, ast.Pow) and abs(right) > 64):
+            return None
+        try:
+            return float(_ARITHMETIC[type(node.op)](left, right))
+        except (ArithmeticError, ValueError, TypeError):
+            return None
+    return literal(node)
+
+
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b, ast.FloorDiv: lambda a, b: a // b,
+               ast.Mod: lambda a, b: a % b}
+
+
+def math_call(node: ast.expr) -> bool:
+    """``math.sqrt(d)``: a Python number, whatever its arguments (``.float()`` on them raises)."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+        node.func.value, ast.Name) and node.func.value.id == "math"
+
+
+def python_number(node: ast.expr) -> bool:
+    """Whether an expression cannot hold a tensor: numbers written out, ``math`` calls, arithmetic of them."""
+    if isinstance(node, ast.BinOp):
+        return python_number(node.left) and python_number(node.right)
+    return value_of(node) is not None or math_call(node)
+
+
+def may_be_number(node: ast.expr) -> bool:
+    """Whether an expression may hold a Python number: a name, an attribute, an item, and arithmetic of them."""
+    if isinstance(node, ast.BinOp):
+        return may_be_number(node.left) and may_be_number(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return may_be_number(node.operand)
+    return isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)) or python_number(node)
+
+
+def literal(node: ast.AST) -> float | None:
+    """The value of a number written out (``0.5``, ``-1``, ``2e5``), else None."""
+    sign = -1.0 if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) else 1.0
+    node = node.operand if isinstance(node, ast.UnaryOp) else node
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return sign * float(node.value)
+    return None
