@@ -284,8 +284,10 @@ def _logdet(report: Report) -> Cause:
 
 def _solve(report: Report) -> Cause:
     """A solve by (or the inverse of) a matrix divides by its pivots: from finite operands, a non-finite result means a
-    singular matrix (a triangular factor's diagonal holding a 0: a Cholesky diagonal by ``exp`` that underflowed)."""
-    if not report.nan + report.posinf + report.neginf:
+    singular matrix (a triangular factor's diagonal holding a 0: a Cholesky diagonal by ``exp`` that underflowed),
+    unless its operands show an overflow (a right-hand side near the dtype's max: ``overflow`` reads it)."""
+    if not report.nan + report.posinf + report.neginf or (
+            report.posinf + report.neginf and report.dtype not in HALF and wide_overflow_signs(report)):
         return overflow(report)
     return event_cause("division-by-zero", "solve-singular", report, base=op_function(report.op))
 
