@@ -2,10 +2,11 @@
 
 A price regressor cast to float16 with ``.half()`` (its squared error overflows 65504): the float32 fix was verified,
 but the edit it suggested read ``price[i:i.float() + 64].float().half()``: ``.float()`` on the slice's Python int
-(an AttributeError when pasted) and the line's own ``.half()`` cast kept after the upcast, so the pasted line computed
-in float16 again. A siamese network calls its one encoder twice a step, on the two photos of each pair, and one loss
-takes both: its report said "the step's 2nd model call: with gradient accumulation, its 2nd micro-batch" and "the
-step's other micro-batches were not replayed", of a loop that accumulates nothing. A hand-written batch norm's
+(an AttributeError when pasted). The line's own ``.half()`` casts stay as the trial ran them (the subtraction promotes
+to float32; a cast of the line's result may feed a half layer on the next line). A siamese network calls its one
+encoder twice a step, on the two photos of each pair, and one loss takes both: its report said "the step's 2nd
+model call: with gradient accumulation, its 2nd micro-batch" and "the step's other micro-batches were not replayed",
+of a loop that accumulates nothing. A hand-written batch norm's
 ``x.var(0)`` on the epoch's last batch of one row: torch's "degrees of freedom is <= 0" warning stood three times above
 the error, once from the user's step and once from each replay of it.
 """
@@ -39,14 +40,15 @@ def _half_price() -> nan_magic.Report:
     return caught.value.report
 
 
-def test_the_float32_edit_of_a_half_cast_line_upcasts_the_tensors_not_the_slice_and_drops_the_half() -> None:
+def test_the_float32_edit_of_a_half_cast_line_upcasts_the_tensors_not_the_slice() -> None:
     report = _half_price()
     assert report.op == "aten.pow.Tensor_Scalar" and report.step == 0 and report.source.line.strip() == LINE
     (trial,) = [trial for trial in report.fixes if trial.kind == "float32"]
     assert trial.finite
     edit = suggested_edit(trial)
     # Was "loss = ((pred.float() - price[i:i.float() + 64].float().half()) ** 2).sum()"
-    assert edit is not None and edit.endswith(": loss = ((pred.float() - price[i:i + 64].float()) ** 2).sum()"), edit
+    assert edit is not None and edit.endswith(
+        ": loss = ((pred.float() - price[i:i + 64].float().half()) ** 2).sum()"), edit
     # pasted, it runs and computes in float32: finite where the user's line overflowed
     code = edit.split(": ", 1)[1]
     scope = {"pred": torch.full((64, 1), 0.5, dtype=torch.float16), "price": torch.full((256, 1), 400.0), "i": 64}
@@ -106,3 +108,27 @@ def test_torchs_warning_in_the_users_step_is_said_once_not_again_by_each_replay(
     assert [trial.finite for trial in report.fixes] == [True]  # (the replays ran: the fix was tried)
     said = [str(w.message) for w in heard if "degrees of freedom" in str(w.message)]
     assert len(said) == 1, said  # was 3: the step's own, then the localizing replay's and the fix trial's
+
+
+def test_the_float32_edit_keeps_a_cast_of_the_lines_result_that_a_half_layer_reads_next() -> None:
+    """``sq = ((pred - p.half()) ** 2 / 1000).half()`` then a float16 ``head(sq)``: the trial kept the cast; an edit
+    that dropped it (review of user-s35) made the pasted next line raise 'mat1 and mat2 must have the same dtype'."""
+    torch.manual_seed(0)
+    X = torch.randn(256, 8)
+    price = 300.0 + 40.0 * X[:, :1]
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).half()
+    head = nn.Linear(1, 1).half()
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-4)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for i in range(0, 256, 64):
+            pred = model(X[i:i + 64].half())
+            sq = ((pred - price[i:i + 64].half()) ** 2 / 1000).half()
+            loss = head(sq).sum()
+            opt.zero_grad(); loss.backward(); opt.step()  # noqa: E702
+    (trial,) = [trial for trial in caught.value.report.fixes if trial.kind == "float32"]
+    edit = suggested_edit(trial) if trial.finite else None
+    assert edit is not None and edit.endswith(
+        ": sq = ((pred.float() - price[i:i + 64].float().half()) ** 2 / 1000).half()"), edit
+    scope = {"pred": torch.full((64, 1), 0.5, dtype=torch.float16), "price": torch.full((256, 1), 400.0), "i": 64}
+    exec(edit.split(": ", 1)[1], {}, scope)
+    assert scope["sq"].dtype == torch.float16 and head(scope["sq"]).dtype == torch.float16

@@ -235,9 +235,9 @@ def test_the_half_precision_regressor_whose_squared_error_overflows(tmp_path: Pa
                               ), summary
     assert "\nfloat32 True " in summary
     text = report_text(named_cell(nb, "train"))
-    # Was "... price[i:i.float() + 64].float().half()) ** 2).sum()": an AttributeError pasted, float16 again if not
-    assert "suggested edit (not applied): Cell In[5], line 4: loss = ((pred.float() - price[i:i + 64].float()) ** 2)" \
-        ".sum()" in text, text
+    # Was "... price[i:i.float() + 64].float().half()) ** 2).sum()": an AttributeError pasted
+    assert "suggested edit (not applied): Cell In[5], line 4: loss = ((pred.float() - price[i:i + 64].float().half())" \
+        " ** 2).sum()" in text, text
     debug = cell_text(named_cell(nb, "debug"))
     assert "----> 4     loss = ((pred - price[i:i + 64].half()) ** 2).sum()" in debug
     assert "torch.float16\ntensor(" in debug and "dtype=torch.float16, grad_fn=<MaxBackward1>)" in debug

@@ -321,9 +321,6 @@ class _Edit(ast.NodeTransformer):
         if name in ("float", "to", "transpose", "view", "reshape", "size"):
             self.generic_visit(node)
             return node
-        if name in ("half", "bfloat16") and isinstance(node.func, ast.Attribute) and not node.args:
-            # ``price[i:j].half()``: the line's own cast becomes the upcast (kept, it undid the upcast)
-            return self._mark(_float(self.visit(node.func.value), self.upcast))
         node.func = self.visit(node.func)
         func = node.func
         while isinstance(func, ast.Attribute):
