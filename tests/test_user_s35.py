@@ -132,3 +132,32 @@ def test_the_float32_edit_keeps_a_cast_of_the_lines_result_that_a_half_layer_rea
     scope = {"pred": torch.full((64, 1), 0.5, dtype=torch.float16), "price": torch.full((256, 1), 400.0), "i": 64}
     exec(edit.split(": ", 1)[1], {}, scope)
     assert scope["sq"].dtype == torch.float16 and head(scope["sq"]).dtype == torch.float16
+
+
+def test_the_full_watchs_replay_of_the_producing_call_does_not_say_the_users_warning_again() -> None:
+    """mode="full" replays the producing call from the check itself (localize/producer.py), outside the event's
+    replays: under an "always" filter the user's own warning was said 5 times where the unwatched run says it 4."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bad = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            warnings.warn("check the input scale", UserWarning, stacklevel=2)
+            return h.log() if self.bad else h
+
+    torch.manual_seed(0)
+    model, X = Scaled(), torch.randn(6, 8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, mode="full"):
+            for step in range(6):
+                model.bad = step == 3
+                loss = model(X[step]).sum()
+                opt.zero_grad(); loss.backward(); opt.step()  # noqa: E702
+    assert (caught.value.report.op, caught.value.report.step) == ("aten.log.default", 3)
+    assert sum("check the input scale" in str(w.message) for w in heard) == 4  # steps 0-3, as unwatched

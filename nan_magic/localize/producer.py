@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nan_magic.errors.warning_lines import heard_in_the_step
 from nan_magic.hot.kept.call_records import Call, Frame, TensorRecord, argument_tensors
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
@@ -195,12 +196,13 @@ class ProducerRule(CallInputs):
             )
             if replay is not None:
                 finding.rng_state = replay[0].rng_state
-                # (A max's pick of a mask that another call passed on, which this call made a new kind of: the max.)
-                picked = replay_around_a_pick(self.replayer, finding, call, self.stack)
-                if not picked and self.replayer.replay_into(finding, produced, *replay):
-                    return True
-                if not picked:
-                    self._replay_outward(finding, call)
+                with heard_in_the_step():  # (the user's call run again: its warnings were said as it ran)
+                    # (A max's pick of a mask that another call passed on, which this call made a new kind of.)
+                    picked = replay_around_a_pick(self.replayer, finding, call, self.stack)
+                    if not picked and self.replayer.replay_into(finding, produced, *replay):
+                        return True
+                    if not picked:
+                        self._replay_outward(finding, call)
             elif self.replayer.replays_kept and self.replayer.replay_deferred(finding, produced, call):
                 return True
         if detected_at:
