@@ -23,6 +23,7 @@ from test_fixes_s33 import _trial
 from torch import nn
 
 import nan_magic
+from nan_magic.fixes.probe import gradient_sums
 from nan_magic.records import Report
 from nan_magic.render.edits import suggested_edit
 
@@ -187,6 +188,17 @@ def test_the_hints_eps_is_the_edits() -> None:
     text = " ".join(report.to_text().split())
     assert edit is not None and "(p.std() + 1.2e-07)" in edit
     assert "x / (std + 1.2e-07)" in text and "1e-5" not in text, text
+
+
+def test_a_probe_gradient_that_overflows_is_not_read_as_a_gradient() -> None:
+    """A centred float16 output (ones map to 0) whose random-direction backward overflows: was a sum of inf."""
+    w = torch.ones(4, 1, dtype=torch.float16, requires_grad=True)
+    x = torch.full((512, 4), 12000.0, dtype=torch.float16) * torch.linspace(-1, 1, 512, dtype=torch.float16)[:, None]
+    p = x @ w
+    z = p - p.mean()
+    (ones,) = torch.autograd.grad([z], [w], grad_outputs=[torch.ones_like(z)], retain_graph=True)
+    assert not bool(ones.any())
+    assert gradient_sums((ones,), [z], [w], ones=True) == (0.0,)
 
 
 class Float16Variance(nn.Module):
