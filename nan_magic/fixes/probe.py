@@ -33,5 +33,7 @@ def gradient_sums(grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.
     backward started from ``ones`` and every one is 0, those of :func:`probed_gradients` instead."""
     if ones and not any(grad is not None and bool(grad.any()) for grad in grads):
         with contextlib.suppress(RuntimeError):  # (a graph that cannot run backward twice: the ones' gradients stand)
-            grads = probed_gradients(outputs, parameters)
+            probed = probed_gradients(outputs, parameters)
+            # (a random direction that overflows, in float16, says nothing of the loss's: the ones' gradients stand)
+            grads = probed if all(grad is None or bool(grad.isfinite().all()) for grad in probed) else grads
     return tuple(None if grad is None else float(grad.double().abs().sum()) for grad in grads)

@@ -150,6 +150,19 @@ def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Te
     return where.to(parameter.device)
 
 
+def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
+    """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0)."""
+    numerator = args[0] if index == 1 else None
+    if isinstance(numerator, (int, float)):
+        return numerator == 0 or not bool((divisor == 0).any())
+    if not isinstance(numerator, torch.Tensor):
+        return False
+    try:
+        return bool(((numerator == 0) | (divisor != 0)).all())
+    except RuntimeError:  # (shapes that do not broadcast: the division itself fails)
+        return False
+
+
 class DomainFix:
     """The remedy for the function ``function`` (a key of :data:`FUNCTIONS`)."""
 
@@ -218,9 +231,12 @@ class DomainFix:
         low = eps if self.function in UNIT_FUNCTIONS else -1 + eps  # (logit's domain is (0, 1))
         if self.function in BOUNDED_FUNCTIONS:
             moved = operand.clamp(low, 1 - eps)
-        elif self.added and operand.numel() and bool((operand < eps).all()):
-            # A spread below eps everywhere: clamped, the quotient would no longer depend on it (its gradient cut
-            # everywhere: hidden, not fixed); ``std + eps`` keeps it. Where some rows are 0, clamp as F.normalize does.
+        elif self.added and operand.numel() and bool((operand < eps).all()) and _centred(args, index, operand):
+            # A spread below eps everywhere of values centred on their mean, ``0 / 0``: clamped, the quotient would no
+            # longer depend on it (its gradient cut everywhere: hidden, not fixed); ``std + eps`` keeps it. Where some
+            # rows are 0, clamp as F.normalize does. A numerator not 0 where the spread is (``mse / y.var()`` of equal
+            # targets, x / 0) is clamped too: ``x / (var + eps)`` is x * 1e7, which diverges, and the clamp's verdict
+            # says the inf is hidden, not fixed.
             self.form, moved = "add" if self.form in (None, "add") else self.form, operand + eps
             self.total += operand.numel()
             remedied = [*args[:index], moved, *args[index + 1:]]

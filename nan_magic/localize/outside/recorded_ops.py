@@ -445,10 +445,14 @@ def divisor_spread(division: RecordedOp, ran: list[RecordedOp]) -> str | None:
     """The spread (std, var, norm) the loss code's recorded ``division`` divided by, read from the records ``ran``
     before it (divisor.py's :func:`recorded_spread`): at an event only, once its producer is claimed."""
 
-    def made_by(value: Any) -> tuple[str, tuple[Any, ...]] | None:
+    def made_by(value: Any) -> tuple[str, tuple[Any, ...], dict[str, Any], int] | None:
         key = record_key(value)
-        found = next((op for op in reversed(ran) if key is not None and any(
-            record_key(out) == key for out in tree_leaves(op.out))), None)
-        return (str(found.func), found.args) if found is not None else None
+        if key is None:
+            return None
+        for op in reversed(ran):
+            outputs = [record_key(out) for out in tree_leaves(op.out)]
+            if key in outputs:  # (which output: std_mean's first is a std, its second a mean)
+                return str(op.func), op.args, op.kwargs, outputs.index(key)
+        return None
 
     return recorded_spread(str(division.func), division.args, made_by)

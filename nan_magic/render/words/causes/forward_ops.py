@@ -175,18 +175,22 @@ def _division_hint(event: Report, cause: Cause) -> str:
 
 
 def _spread_hint(event: Report, cause: Cause) -> str:
-    """A division by a std, a variance or a norm that was 0 (localize/ops/divisor.py): its values were all equal."""
-    spread = cause.fact("spread")
-    results = [f"{count} {what}" for count, what in zip(op_counts(event), ("NaN (0/0)", "inf (x/0)")) if count]
-    zeros = divisor_phrase(event.operand("other"), _divisor_said(event, "other"))
-    alike = "0 (a zero row, a vector never written)" if spread == "norm" else (
-        "equal (a constant row, a window of equal returns, a batch of one sample repeated)")
-    eps = "1e-4" if event.dtype == "float16" else "1e-5"  # (as the division hint: 1e-12 would scale a gradient by 1e12)
-    return (
-        f"{event.op} in {where(event)} divided by a {spread} of 0{zeros}, giving {' and '.join(results)}: the values it"
-        f" measures were all {alike}, not a count of nothing; add eps to it (x / ({spread} + {eps}), or "
-        f"{spread}.clamp_min({eps}) where only some rows are 0), or take sqrt(var + eps) where the sqrt is written out"
-    )
+    """A division by a std, a variance or a norm of 0 (localize/ops/divisor.py); its eps the eps trial's and edit's."""
+    eps = {"float16": "0.00098", "bfloat16": "0.0078", "float64": "2.2e-16"}.get(event.dtype or "", "1.2e-07")
+    spread, (nan, inf) = cause.fact("spread"), op_counts(event)
+    results = [f"{count} {what}" for count, what in ((nan, "NaN (0/0)"), (inf, "inf (x/0)")) if count]
+    alike = "all 0 (a zero row, a vector never written)" if spread == "norm" else "all equal (a constant row, a " + (
+        "window of equal returns, a batch of one sample repeated)" if event.dtype not in ("float16", "bfloat16") else
+        f"batch of one sample repeated), or closer together than {event.dtype} can square (its variance rounds to 0)")
+    said = (f"{event.op} in {where(event)} divided by a {spread} of 0"
+            f"{divisor_phrase(event.operand('other'), _divisor_said(event, 'other'))}, giving {' and '.join(results)}:"
+            f" the values it measures were {alike}")
+    if inf and not nan:  # (x / 0, ``mse / y.var()`` of equal targets: x / (var + eps) is x / eps, and diverges)
+        return (f"{said}, and what it divides is not 0 there (x / 0): an eps added only makes it x / eps, 1 / eps "
+                f"times too large, which still blows up; skip what has a {spread} of 0 (a batch: `if {spread} > 0`; "
+                f"rows: divide by {spread}.masked_fill({spread} == 0, 1) and drop them), or find why it is 0")
+    return (f"{said}, not a count of nothing; add eps to it (x / ({spread} + {eps}), or {spread}.clamp_min({eps}) "
+            "where only some rows are 0), or take sqrt(var + eps) where the sqrt is written out")
 
 
 def _divisor_said(event: Report, name: str) -> str:
