@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from contract import all_cases
 from torch import nn
 
 import nan_magic
 import nan_magic.localize.ops.origins as origins_module
+from nan_magic import NonFiniteError
 from nan_magic.hot.stats import PendingCounts
 
 
@@ -122,3 +124,24 @@ def test_gradscaler_skipped_overflow_steps_read_nothing_under_ops_defer(reads: d
     # Counted on the device: only the gradients the watch's hooks record (into the three modules' outputs and the
     # model's), not every backward op's output the overflow reached (casts, matmuls, GELU's, the bias sums).
     assert reads["kept"] <= 3 * 4, reads
+
+
+@pytest.mark.parametrize("name", ["gaps21_direct_child_backward_sqrt_of_zero",
+                                  "hunt23_attention_soft_cap_disabled_by_0_backward"])
+def test_a_freed_boundary_gradient_keeps_its_counts_and_first_index_from_the_device(name: str) -> None:
+    """The counts kept on the device are those ops=True reads of the live gradient, and so is its first bad index
+    (the report's "first at" row)."""
+    case = next(case for case in all_cases() if case.name == name)
+
+    def report(**options: Any) -> Any:
+        torch.manual_seed(0)
+        scenario = case.build()
+        with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options,
+                                                                     **scenario.options):
+            scenario.run()
+        return caught.value.report
+
+    now, late = report(ops=True), report(ops=True, defer=True)
+    assert str(late.tensor).startswith("grad of"), late.message
+    seen = [(str(r.tensor), dict(r.counts), r.first_bad_index) for r in (now, late)]
+    assert seen[1] == seen[0] and seen[0][2] is not None
