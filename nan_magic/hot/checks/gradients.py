@@ -308,10 +308,9 @@ class GradientChecks:
         watch = self.watch
         if not watch.listening() or grad is None or BATCHED_GRADS.running or not is_checkable(grad):
             return
-        # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module
-        # step a model's output is its last layer's, and the model's own record is the outermost.
-        # A model that returns its loss (``model(x, y).backward()``) hands its output on to the loss's
-        # record, which belongs to no model call: the gradient is the model's output gradient all the same.
+        # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module step a model's
+        # output is its last layer's, the model's own record the outermost. A model that returns its loss (``model(x,
+        # y).backward()``) hands its output on to the loss's record, of no model call: the model's output gradient.
         handed_on = record
         # (Not to a record of the tensor entering another model, ``head(body(x))``: its ``argument`` is set.)
         while ((outer := handed_on.outer) is not None and outer.argument is None and outer.call is not None
@@ -335,6 +334,8 @@ class GradientChecks:
             if record.consumers or record.outer is not None:  # (none: a model's output the loss took, no call)
                 self.release(record)
             return
+        if (tracer := self.origins.tracer) is not None:
+            tracer.gradient_recorded(grad)  # (ops mode, deferred: counted where an op's origin reached it)
         consumer = consumer_of(record)
         call = log.one_call(Phase.BACKWARD, consumer.info if consumer else None, None, gradient_label(record, consumer),
                             grad, ranged=False)

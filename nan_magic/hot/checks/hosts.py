@@ -61,6 +61,9 @@ class OpTracing(Protocol):
 
     def reset(self, origins: bool = True, keep: Sequence[torch.Tensor] = ()) -> None: ...
 
+    def gradient_recorded(self, grad: torch.Tensor) -> None:
+        """The watch recorded a module output's gradient (the deferred tracer keeps its counts)."""
+
     @property
     def known(self) -> KnownValues:
         """The tensors whose values this trace looked at, as they are now (an op's input or checked output)."""

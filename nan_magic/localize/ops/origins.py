@@ -1,23 +1,21 @@
 """The producer op's record, and the origin the op tracer notes for each non-finite tensor.
 
-An :class:`OpFinding` is what the tracer (:mod:`nan_magic.localize.ops.tracer`) reports:
-the op that first made a non-finite value from finite or benign inputs, with
-its line, its inputs' statistics and its scalar arguments. Every non-finite
-tensor the tracer sees is noted in an :class:`Origins` table with where its
-values began: an op (:class:`Origin`, holding that op's finding), a deliberate
-infinity (:data:`BENIGN`: a mask, an infinite fill, or what carries one on),
-or nothing (it came from outside the trace). A tensor is known by its
-identity and version counter, and a forward value that autograd saved for
-backward, which then reaches a backward op as a new Python object on the same
-memory, is known by that memory while its storage lives. An inference tensor (made under
-``torch.inference_mode()``) has no version counter: it is known by its
-identity alone, and an op that writes it in place notes it again.
+An :class:`OpFinding` is what the tracer (:mod:`nan_magic.localize.ops.tracer`) reports: the op that first made a
+non-finite value from finite or benign inputs, with its line, its inputs' statistics and its scalar arguments. Every
+non-finite tensor the tracer sees is noted in an :class:`Origins` table with where its values began: an op
+(:class:`Origin`, holding that op's finding), a deliberate infinity (:data:`BENIGN`: a mask, an infinite fill, or what
+carries one on), or nothing (it came from outside the trace). A tensor is known by its identity and version counter,
+and a forward value that autograd saved for backward, which then reaches a backward op as a new Python object on the
+same memory, is known by that memory while its storage lives. An inference tensor (made under
+``torch.inference_mode()``) has no version counter: it is known by its identity alone, and an op that writes it in
+place notes it again.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import is_checkable_op_value
-from nan_magic.hot.stats import sample_values, tensor_stats
+from nan_magic.hot.stats import PendingCounts, sample_values, tensor_stats
 from nan_magic.localize.ops.log_edge import LOG_EDGES
 from nan_magic.plain import to_pairs
 from nan_magic.records import AbsorbedOp, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
@@ -190,18 +188,18 @@ class Origins:
     """
 
     def __init__(self) -> None:
-        # id(tensor) -> (weak reference, version, written in place, origin) of
-        # the non-finite tensors seen (see the module docstring).
+        # id(tensor) -> (weak reference, version, written in place, origin) of the non-finite tensors seen.
         self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], int, bool, Origin | Benign]] = {}
-        # Forward origins by where their values live: autograd saves an op's
-        # output for its backward as another tensor object on the same memory
-        # (``exp`` saves its result), which a backward op then reads.
+        # Forward origins by where their values live: autograd saves an op's output for its backward as another
+        # tensor object on the same memory (``exp`` saves its result), which a backward op then reads.
         self._by_memory: dict[tuple[Any, ...], _MemoryEntry] = {}
-        # By the weak reference noted (held, so its id stays unique): a tensor freed since, whose id another
-        # tensor may have taken in ``_by_id``, is still found by the reference its boundary record holds. With
-        # ``counting`` (the deferred check's live tracer), an op's origin's tensor's exact statistics as it was noted.
-        self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign, TensorStats | None]] = {}
-        self.counting = False
+        # By the weak reference noted (held, so its id stays unique): a tensor freed since, whose id another tensor
+        # may have taken in ``_by_id``, is still found by the reference its boundary record holds. With ``counting``
+        # (the deferred check's live tracer): its counts, for a boundary the check finds freed (_counted).
+        self._by_ref: dict[int, tuple[weakref.ref[torch.Tensor], Origin | Benign, PendingCounts | None]] = {}
+        self.counting = False  # (with it: the kinds the tracer read of a tensor, whether a watched module runs)
+        self.known: Callable[[torch.Tensor], frozenset[str] | None] = lambda _tensor: None
+        self.in_module: Callable[[], bool] = lambda: False
 
     def __bool__(self) -> bool:
         """Whether any tensor is noted (until then the tracer has nothing to look up or carry on)."""
@@ -215,10 +213,11 @@ class Origins:
         return entry[1] if entry is not None and entry[0] is ref else None
 
     def stats_by_ref(self, ref: weakref.ref[torch.Tensor]) -> TensorStats | None:
-        """The exact statistics of the tensor ``ref`` refers to as an op noted it, where ``counting`` took them: a
-        boundary the deferred check finds freed (a gradient into a module's output) is described as it was made."""
+        """The counts of the freed tensor ``ref`` refers to, where ``counting`` kept them (a gradient into a module's
+        output, freed by the deferred check): read now, the other numbers unknown."""
         entry = self._by_ref.get(id(ref))
-        return entry[2] if entry is not None and entry[0] is ref else None
+        counts = entry[2] if entry is not None and entry[0] is ref else None
+        return counts.stats() if counts is not None else None
 
     def stepped(self) -> list[torch.Tensor]:
         """The live tensors whose origin outlasts the start of a step: those an optimizer's step made non-finite
@@ -335,11 +334,22 @@ class Origins:
         ref = weakref.ref(view)
         self._by_ref[id(ref)] = (ref, origin, self._counted(view, origin))
 
-    def _counted(self, tensor: torch.Tensor, origin: Origin | Benign) -> TensorStats | None:
-        """``tensor``'s exact statistics where ``counting`` and an op's origin reached it, else None. Cold: only ops
-        mode's deferred tracer counts, only what an op's non-finite value reached (nothing where no op makes one)."""
-        return tensor_stats(tensor) if self.counting and isinstance(origin, Origin) and is_checkable_op_value(
-            tensor) else None
+    def _counted(self, tensor: torch.Tensor, origin: Origin | Benign) -> PendingCounts | None:
+        """``tensor``'s counts on its device, read only where a boundary the deferred check finds freed is judged:
+        where ``counting`` and an op's origin reached a possible forward boundary (made with grad enabled: a loss; a
+        watched module's output), not a loop's ``no_grad`` metric (an entropy's absorbed ``0 * log 0``), nor a
+        backward op's output (a gradient is counted as its hook records it: count_boundary). Else None."""
+        if not (self.counting and isinstance(origin, Origin) and is_checkable_op_value(tensor)) or not (
+                torch.is_grad_enabled() or (torch._C._current_graph_task_id() == -1 and self.in_module())):
+            return None
+        return PendingCounts(tensor, self.known(tensor))
+
+    def count_boundary(self, tensor: torch.Tensor) -> None:
+        """Count a gradient the watch's hook records, where ``counting`` and an op's origin reached it."""
+        if self.counting and self._by_ref and (entry := self._by_ref.get(id(ref := weakref.ref(tensor)))) and (
+                entry[0] is ref and entry[2] is None and isinstance(entry[1], Origin)
+                and is_checkable_op_value(tensor)):
+            self._by_ref[id(ref)] = (ref, entry[1], PendingCounts(tensor, self.known(tensor)))
 
     def note_memory(self, tensor: torch.Tensor, origin: Origin) -> None:
         """Note a forward origin by its output's memory alone, for a backward op that reads it saved."""

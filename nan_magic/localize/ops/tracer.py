@@ -163,6 +163,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self._origins.counting = counting
         # The kinds of tensors already read, so that none is read twice.
         self._known = self.known = KnownKinds()  # (known: read by the loss code's data check, gradients.py)
+        self._origins.known, self._origins.in_module = self._known.get, self._in_module
         #: The user's forward line of each autograd node the traced forward creates.
         self.node_sources = NodeSources(module_name)
         self._lock = threading.Lock()
@@ -278,9 +279,17 @@ class OpTracer(OriginRules, TorchDispatchMode):
         return origin
 
     def freed_stats(self, freed: weakref.ref[torch.Tensor]) -> TensorStats | None:
-        """The exact statistics, as the op that made it left it, of a boundary tensor the deferred check finds freed
-        (by its record's weak reference), where the tracer counts (ops mode, deferred) and an op's origin reached it."""
+        """The counts (the other numbers unknown) of a boundary tensor the deferred check finds freed (by its record's
+        weak reference), where the tracer counts (ops mode, deferred) and an op's origin reached it."""
         return self._origins.stats_by_ref(freed)
+
+    def gradient_recorded(self, grad: torch.Tensor) -> None:
+        """The watch's hook recorded ``grad`` (a module output's gradient): its counts are kept where an op's origin
+        reached it (ops mode, deferred: Origins.count_boundary)."""
+        self._origins.count_boundary(grad)
+
+    def _in_module(self) -> bool:
+        return self._module_name() is not None
 
     def claim_earliest(self) -> None:
         """Make the first origin started the finding where no :meth:`claim` made one (a replay whose output no
