@@ -136,10 +136,23 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def scaled_from_finite(loss: torch.Tensor) -> bool:
-    """``loss`` (its storage) is what a GradScaler's ``scale`` returned, and the loss it was given is finite."""
-    at = loss.untyped_storage().data_ptr()
-    return any(out.untyped_storage().data_ptr() == at and out.shape == loss.shape and bool(torch.isfinite(given).all())
-               for out, given in list(_scaled))
+    """``loss`` (its storage) is what a GradScaler's ``scale`` returned, and the loss it was given is finite; or
+    ``loss`` is the sum of two such (``scaler.scale(l1) + scaler.scale(l2)``: its autograd node an add of theirs)."""
+    scaled = list(_scaled)
+
+    def made(tensor: torch.Tensor) -> torch.Tensor | None:  # the loss given to the scale that returned ``tensor``
+        at = tensor.untyped_storage().data_ptr()
+        return next((given for out, given in scaled
+                     if out.untyped_storage().data_ptr() == at and out.shape == tensor.shape), None)
+
+    given = made(loss)
+    if given is not None:
+        return bool(torch.isfinite(given).all())
+    node = loss.grad_fn
+    if node is None or node.name() != "AddBackward0":
+        return False
+    givens = [next((given for out, given in scaled if out.grad_fn is part), None) for part, _ in node.next_functions]
+    return all(given is not None and bool(torch.isfinite(given).all()) for given in givens)
 
 
 def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
