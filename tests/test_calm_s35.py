@@ -120,3 +120,98 @@ def test_a_loss_infinite_before_it_was_scaled_is_still_raised(mode: str) -> None
         run()
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.benign) == ("forward", None, 1, False), report.message
+
+
+# The hold is narrow (review of session 35): only the very tensor ``GradScaler.scale`` returned for a finite loss is
+# held, and a held loss is raised after all when the optimizer step runs (the scaler did not skip). Before, any mul
+# of two finite operands, one a single number >= 1, under an active scaler was held, and dropped when the step ran:
+# a user's own overflowing loss went unreported in every mode (or raised many steps late).
+def _user_loss(form: str) -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-40)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100 if form == "scaled" else 2.0**16)
+    x, w = torch.randn(8, 4), torch.tensor(1e10)
+
+    def run() -> None:
+        for step in range(3):
+            m = model(x).abs().mean()
+            if form == "square":  # (~1e21)^2 = +inf at step 1; gradients 2n * scale ~ 1e26 stay finite
+                n = m + (1e21 if step == 1 else 0.0)
+                loss = n * n  # the loss line
+            elif form == "weight":  # a loss weight held in a tensor: (1e30 + m) * 1e10 = +inf at step 1
+                loss = (m + (1e30 if step == 1 else 0.0)) * w  # the loss line
+            elif form == "every step":  # +inf from step 0 on; the scaler skips while its gradients overflow
+                n = m * 1e13 + 1e20
+                loss = n * n  # the loss line
+            else:  # "scaled": finite loss (1e10), the scale (2**100) overflows it; its gradients stay finite
+                loss = model(x).mean() * 1e-3 + (1e10 if step == 1 else 0.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    return run
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+@pytest.mark.parametrize(("form", "step"), [("square", 1), ("weight", 1), ("every step", 0), ("scaled", 1)])
+def test_a_users_own_infinite_loss_under_a_scaler_is_raised_at_its_step(form: str, step: int, mode: str) -> None:
+    run = _user_loss(form)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(**MODE_OPTIONS[mode]) as w:
+        run()
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.benign) == ("forward", None, step, False), report.message
+    assert not any(event.benign for event in w.events), [event.message for event in w.events]
+    if not MODE_OPTIONS[mode].get("ops"):  # (ops=True names no op for a loss's mul, as before the hold)
+        assert report.op == "aten.mul.Tensor", report.message
+        line = "scaler.scale(loss).backward()" if form == "scaled" else "# the loss line"
+        assert report.source is not None and line in report.source.line, report.message
+
+
+def _two_losses(form: str) -> Callable[[], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126, backoff_factor=2.0**-16)
+    x, y = torch.randn(6, 8) * 4, torch.randn(6, 2)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for _step in range(3):
+            out = model(x)
+            l1, l2 = F.mse_loss(out, y) * 64, out.pow(2).mean() * 64
+            opt.zero_grad()
+            if form == "list":
+                torch.autograd.backward(scaler.scale([l1, l2]))
+            elif form == "sum":
+                scaler.scale(l1 + l2).backward()
+            else:  # "sum after": the sum of two scaled losses, its add's node the only trace of the scales
+                (scaler.scale(l1) + scaler.scale(l2)).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(l1.detach())
+        return losses
+
+    return run
+
+
+_SUM_AFTER_DEFERRED = pytest.mark.xfail(strict=True, reason=(
+    "ops=True, defer=True: (scaler.scale(l1) + scaler.scale(l2)).backward() whose scale overflows float32 is raised "
+    "as a first non-finite loss at step 0 (a false alarm): the summed loss is a temporary gone by the deferred "
+    "check, so nothing tells it was made of the scaler's outputs; scale([l1, l2]) or scale(l1 + l2) is held"))
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+@pytest.mark.parametrize("form", ["list", "sum", "sum after"])
+def test_two_losses_scaled_past_float32_are_a_benign_skip(form: str, mode: str, request: pytest.FixtureRequest
+                                                           ) -> None:
+    if (form, mode) == ("sum after", "ops-defer"):
+        request.applymarker(_SUM_AFTER_DEFERRED)
+    expected = _two_losses(form)()
+    run = _two_losses(form)
+    with nan_magic.watch(**MODE_OPTIONS[mode]) as w:
+        got = run()
+    assert w.report is None, w.report.message if w.report else ""
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert [event.step for event in w.events if event.benign] == [0], [event.message for event in w.events]

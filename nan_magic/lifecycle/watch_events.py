@@ -47,6 +47,7 @@ from nan_magic.localize.replay.producer_call import CallReplay
 from nan_magic.localize.replay.samples import Samples
 from nan_magic.localize.replay.tiered.step import Producer, StepReplays
 from nan_magic.options import WatchConfig
+from nan_magic.patches.scaler import scaled_from_finite
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary, TensorRef, TensorRole
 from nan_magic.scene.dump import SceneSource, record_scene
 from nan_magic.scene.last_good import LastGood
@@ -77,6 +78,8 @@ class WatchEvents:
     cycle: StepCycle
     raised_forwards: RaisedForwards
     _nesting: Nesting
+    #: A non-finite loss held where ``scaler.scale`` made it (:meth:`on_loss_event`), until the scaler's step.
+    held_loss: Finding | None = None
 
     if TYPE_CHECKING:  # (Watch's own)
 
@@ -181,12 +184,25 @@ class WatchEvents:
         if not self.optimizers.hold_gradient_event(finding):
             self.emit(finding)
 
-    def on_loss_event(self, finding: Finding) -> None:
-        """A non-finite loss: held as a backward event is where ``scaler.scale`` made it (a finite loss times an
-        enabled scaler's scale past the dtype's max: the scaled gradients overflow and the scaler skips the step,
-        PRODUCT.md's benign); a loss non-finite before it was scaled is emitted."""
-        if not (_scaled_overflow(finding, self.optimizers) and self.optimizers.hold_gradient_event(finding)):
+    def on_loss_event(self, finding: Finding, loss: torch.Tensor | None) -> None:
+        """A non-finite loss (``loss``: the tensor, where alive): held as a backward event where it is the very
+        tensor ``scaler.scale`` returned for a finite loss (its scale past the dtype's max: the scaled gradients
+        overflow and the scaler skips the step, PRODUCT.md's benign; patches/scaler.py); any other is emitted. Held,
+        it is emitted still if the optimizer step runs after all (:meth:`on_step_ran`): only a skip makes it benign."""
+        if loss is None or not (self.optimizers.scaler_active() and scaled_from_finite(loss)
+                                and self.optimizers.hold_gradient_event(finding)):
             self.emit(finding)
+            return
+        if finding.step is None:
+            finding.step = self.step
+        self.held_loss = finding
+
+    def on_step_ran(self, held: Finding | None) -> None:
+        """The optimizer step ran with ``held`` (a backward event a scaler might have skipped) still held: a held
+        loss (:meth:`on_loss_event`) is emitted, as it would have been without the scaler."""
+        if held is not None and held is self.held_loss:
+            self.held_loss = None
+            self.emit(held)
 
     # -- events ---------------------------------------------------------------------
 
@@ -213,22 +229,6 @@ class WatchEvents:
     def adopt_traceback(self, error: NonFiniteError, tb: TracebackType | None) -> None:
         """Cut ``tb`` after the user's frame and record that frame in the report (events.py)."""
         self.outcome.adopt_traceback(error, tb)
-
-
-def _scaled_overflow(finding: Finding, optimizers: OptimizerChecks) -> bool:
-    """``finding``'s op is the mul of ``scaler.scale(loss)`` while an enabled scaler is in use: finite operands
-    (the tensors the recorded loss code kept, else the tracer's statistics of them), one a single number of at least
-    1 (the scale). Not compared with the scaler's scale now: a skipped step's loss code is held for the next
-    (gradient accumulation's), and a schedule that sets the scale each step (``update(new_scale=...)``) may have the
-    recorded operand at the scale of the step before."""
-    if not optimizers.scaler_active() or finding.op != "aten.mul.Tensor":
-        return False
-    operands = [(tensor.numel(), bool(torch.isfinite(tensor).all()), float(tensor.max()))
-                for _ref, tensor in finding.inputs] or [
-        (stats.numel, None not in (stats.nan, stats.posinf, stats.neginf) and not stats.nonfinite, stats.max or 0.0)
-        for _ref, stats in finding.input_stats]
-    return len(operands) == 2 and all(finite for _n, finite, _v in operands) and any(
-        numel == 1 and value >= 1 for numel, _finite, value in operands)
 
 
 def _model_caller(replays: StepReplays, finding: Finding) -> Caller | None:

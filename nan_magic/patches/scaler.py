@@ -29,6 +29,7 @@ import re
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import SourcePointer
 
-__all__ = ["ScalerCallbacks", "scaler_source", "watch_scalers"]
+__all__ = ["ScalerCallbacks", "scaled_from_finite", "scaler_source", "watch_scalers"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class ScalerCallbacks:
 
 
 _callbacks: list[ScalerCallbacks] = []
+_KEPT_SCALED = 16
 # A subclass's ``step`` that calls ``super().step`` must report once, from the outermost call.
 _depth = threading.local()
 
@@ -121,6 +123,38 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
+# (what ``scale`` returned, what it was given) for each tensor of its latest calls (each step's, and each micro-step's
+# of gradient accumulation): kept while a watch is active, so that a non-finite loss can be told for the scale's own
+# overflow of a finite loss (:func:`scaled_from_finite`), checked only then. Bounded; cleared by the last watch's exit.
+_scaled: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=_KEPT_SCALED)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (list, tuple)) else []
+
+
+def scaled_from_finite(loss: torch.Tensor) -> bool:
+    """``loss`` (its storage) is what a GradScaler's ``scale`` returned, and the loss it was given is finite; or
+    ``loss`` is the sum of two such (``scaler.scale(l1) + scaler.scale(l2)``: its autograd node an add of theirs)."""
+    scaled = list(_scaled)
+
+    def made(tensor: torch.Tensor) -> torch.Tensor | None:  # the loss given to the scale that returned ``tensor``
+        at = tensor.untyped_storage().data_ptr()
+        return next((given for out, given in scaled
+                     if out.untyped_storage().data_ptr() == at and out.shape == tensor.shape), None)
+
+    given = made(loss)
+    if given is not None:
+        return bool(torch.isfinite(given).all())
+    node = loss.grad_fn
+    if node is None or node.name() != "AddBackward0":
+        return False
+    givens = [next((given for out, given in scaled if out.grad_fn is part), None) for part, _ in node.next_functions]
+    return all(given is not None and bool(torch.isfinite(given).all()) for given in givens)
+
+
 def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     def scale(self: Any, outputs: Any) -> Any:
         __tracebackhide__ = True
@@ -128,7 +162,10 @@ def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
             _note(self, _assignment(self, sys._getframe(1)))
         for callbacks in list(_callbacks):
             callbacks.on_scale(self)
-        return original(self, outputs)
+        scaled = original(self, outputs)
+        if _callbacks:
+            _scaled.extend((out, given) for out, given in zip(_tensors(scaled), _tensors(outputs)))
+        return scaled
 
     return scale
 
@@ -165,5 +202,9 @@ _PATCH = ProcessPatch(_plan)
 @contextmanager
 def watch_scalers(callbacks: ScalerCallbacks) -> Iterator[None]:
     """Call ``callbacks`` from every GradScaler's ``scale`` and ``step`` inside the block."""
-    with _PATCH.held((_callbacks, callbacks)):
-        yield
+    try:
+        with _PATCH.held((_callbacks, callbacks)):
+            yield
+    finally:
+        if not _callbacks:
+            _scaled.clear()

@@ -19,6 +19,7 @@ the saved-tensor hooks, the tracer and profiler), which must be exactly as it wa
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from typing import Any
@@ -115,12 +116,36 @@ def _marks(obj: Any) -> list[Any]:
     return [_kind(obj), sorted(vars(obj))]
 
 
+_warmed: list[bool] = []
+
+
+def _warm_torch() -> None:
+    """Make torch's own lazy first-use changes before the first footprint, once: an optimizer class's first
+    instance sets a profiling ``step`` on the class, and the import of ``torch._dynamo`` (which torch makes lazily,
+    a watch or not) wraps ``torch.manual_seed``. Otherwise a row run first in its process saw them as traces."""
+    if _warmed:
+        return
+    import torch._dynamo
+
+    classes, pending = [], [torch.optim.Optimizer]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls.__module__.startswith("torch.optim.") and cls is not torch.optim.Optimizer:
+            classes.append(cls)
+    for cls in classes:
+        with contextlib.suppress(Exception):  # (one that needs more arguments: the rows do not use it)
+            cls([torch.zeros(1, requires_grad=True)])
+    _warmed.append(True)
+
+
 class Footprint:
     """The marks on the user's objects (read when compared, after the watch has exited), the Python and NumPy
     random streams at the loop's end, and the process as the row was built: changed not at all when compared."""
 
     def __init__(self, objs: tuple[Any, ...]) -> None:
         self.objs = objs
+        _warm_torch()
         self.before = _process()
         self.streams: Any = None
 

@@ -239,7 +239,7 @@ class GradientChecks:
         # A loss that was a temporary (``loss_fn(out, y).backward()``) is gone by the deferred check: its
         # records still know it by the id it had.
         self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
-        watch.on_loss_event(finding)  # (held where a GradScaler's scale made it: lifecycle/watch_events.py)
+        watch.on_loss_event(finding, tensor)  # (held where a GradScaler's scale made it: lifecycle/watch_events.py)
 
     def _given_to_the_loss(
         self, loss: torch.Tensor | None, suspects: list[Note], unread: Note | None = None, traced: bool = False

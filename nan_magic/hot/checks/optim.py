@@ -319,10 +319,10 @@ class OptimizerChecks:
             elif not self.reports.step_result(result, _read_step_result(result)):
                 watch.on_finite_step()
         finally:
-            self.in_step, self._stepping = False, None
-            self.pending_overflow = None
+            self.in_step, self._stepping, held, self.pending_overflow = False, None, self.pending_overflow, None
             self.skipped_in_a_row = 0
             watch.cycle.end_step(step)
+            watch.on_step_ran(held)  # (a held loss the step ran after: not the scaler's overflow)
 
     @property
     def steps(self) -> int:

@@ -97,7 +97,6 @@ _RUNS_USER_CODE = tuple(
     os.path.join(_OWN_DIR, name)
     for name in (
         os.path.join("patches", "backward.py"),
-        os.path.join("patches", "scaler.py"),  # (the user's ``scaler.scale(loss)`` and ``scaler.step(opt)``)
         os.path.join("localize", "replay", "module_run.py"),
         os.path.join("localize", "replay", "tiered", "step.py"),
         os.path.join("localize", "replay", "tiered", "step_keeping.py"),
