@@ -145,3 +145,35 @@ def test_a_freed_boundary_gradient_keeps_its_counts_and_first_index_from_the_dev
     assert str(late.tensor).startswith("grad of"), late.message
     seen = [(str(r.tensor), dict(r.counts), r.first_bad_index) for r in (now, late)]
     assert seen[1] == seen[0] and seen[0][2] is not None
+
+
+def test_the_watchs_own_counts_of_a_freed_boundary_are_not_traced_as_the_users_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted inside the watch's gradient hook while the op tracer's mode is on, the counts' own ops (isnan,
+    count_nonzero, argmax) went through its dispatch as if the user's backward had run them (review of
+    defer-fix-s35): they run with the mode off."""
+    import nan_magic.localize.ops.tracer as tracer_module
+
+    inside, traced = [False], []
+    dispatch, count = tracer_module.OpTracer.__torch_dispatch__, origins_module.Origins.count_boundary
+
+    def seen(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if inside[0]:
+            traced.append(str(func))
+        return dispatch(self, func, types, args, kwargs)
+
+    def counting(self: Any, tensor: torch.Tensor) -> None:
+        inside[0] = True
+        try:
+            count(self, tensor)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(tracer_module.OpTracer, "__torch_dispatch__", seen)
+    monkeypatch.setattr(origins_module.Origins, "count_boundary", counting)
+    case = next(case for case in all_cases() if case.name == "gaps21_direct_child_backward_sqrt_of_zero")
+    scenario = case.build()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, ops=True, defer=True,
+                                                                 **scenario.options):
+        scenario.run()
+    assert str(caught.value.report.tensor).startswith("grad of") and traced == []

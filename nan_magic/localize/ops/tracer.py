@@ -64,7 +64,7 @@ from types import FrameType
 from typing import Any, Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
 
@@ -285,8 +285,10 @@ class OpTracer(OriginRules, TorchDispatchMode):
 
     def gradient_recorded(self, grad: torch.Tensor) -> None:
         """The watch's hook recorded ``grad`` (a module output's gradient): its counts are kept where an op's origin
-        reached it (ops mode, deferred: Origins.count_boundary)."""
-        self._origins.count_boundary(grad)
+        reached it (ops mode, deferred: Origins.count_boundary), counted with this mode off (not traced as ops)."""
+        if self._origins.counting:
+            with _disable_current_modes():
+                self._origins.count_boundary(grad)
 
     def _in_module(self) -> bool:
         return self._module_name() is not None
