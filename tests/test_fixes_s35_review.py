@@ -227,3 +227,33 @@ def test_a_float16_variance_that_underflowed_is_not_said_to_be_of_equal_values()
     text = " ".join(report.to_text().split())
     assert report.cause is not None and report.cause.reading == "spread-zero", report.cause
     assert "or closer together than float16 can square (its variance rounds to 0)" in text, text
+
+
+@pytest.mark.parametrize("batch", [5, 6, 7, 12])
+def test_a_z_score_of_one_sample_repeated_is_centred_whatever_the_mean_rounds_to(batch: int) -> None:
+    """``(h - h.mean(0)) / h.std(0)`` over a batch of one sample repeated: the std is exactly 0, and ``h - h.mean(0)``
+    is 0 or the mean's rounding noise (1e-7) in each feature, by batch size: a 0 / 0 at every size. With a test for
+    exact zeros the eps trial clamped ("hidden, not fixed") under a hint that said to add eps (review of
+    fixes-fix-s35; all four sizes fail without the tolerance here)."""
+
+    class ZScored(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.o = nn.Linear(4, 16), nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.o((h - h.mean(0)) / h.std(0))
+
+    torch.manual_seed(0)
+    model = ZScored()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(1, 4).expand(batch, 4).clone(), torch.randn(batch, 1)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        for _ in range(2):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+    (trial,) = [trial for trial in caught.value.report.fixes if trial.kind == "eps"]
+    edit = suggested_edit(trial) if trial.finite else None
+    assert edit is not None and edit.endswith("(h - h.mean(0)) / (h.std(0) + 1.2e-07))"), edit

@@ -151,14 +151,15 @@ def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Te
 
 
 def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
-    """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0)."""
+    """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0), up
+    to the mean's rounding: a centred value of equal values is ``x - sum(x) / n``, 1e-7 where n is 6 (sqrt(eps))."""
     numerator = args[0] if index == 1 else None
     if isinstance(numerator, (int, float)):
         return numerator == 0 or not bool((divisor == 0).any())
-    if not isinstance(numerator, torch.Tensor):
+    if not isinstance(numerator, torch.Tensor) or not numerator.is_floating_point():
         return False
     try:
-        return bool(((numerator == 0) | (divisor != 0)).all())
+        return bool(((numerator.abs() <= torch.finfo(numerator.dtype).eps ** 0.5) | (divisor != 0)).all())
     except RuntimeError:  # (shapes that do not broadcast: the division itself fails)
         return False
 
