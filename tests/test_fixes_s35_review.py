@@ -190,15 +190,17 @@ def test_the_hints_eps_is_the_edits() -> None:
     assert "x / (std + 1.2e-07)" in text and "1e-5" not in text, text
 
 
-def test_a_probe_gradient_that_overflows_is_not_read_as_a_gradient() -> None:
-    """A centred float16 output (ones map to 0) whose random-direction backward overflows: was a sum of inf."""
+def test_a_probe_gradient_that_overflows_is_probed_again_scaled_down() -> None:
+    """A centred float16 output (ones map to 0) whose random-direction backward overflows: was a sum of inf, then
+    (fixes-fix-s35) 0.0, "no gradient", though the parameter has one (review): the direction scaled down gives it."""
     w = torch.ones(4, 1, dtype=torch.float16, requires_grad=True)
     x = torch.full((512, 4), 12000.0, dtype=torch.float16) * torch.linspace(-1, 1, 512, dtype=torch.float16)[:, None]
     p = x @ w
     z = p - p.mean()
     (ones,) = torch.autograd.grad([z], [w], grad_outputs=[torch.ones_like(z)], retain_graph=True)
     assert not bool(ones.any())
-    assert gradient_sums((ones,), [z], [w], ones=True) == (0.0,)
+    (total,) = gradient_sums((ones,), [z], [w], ones=True)
+    assert total is not None and 0.0 < total < float("inf")
 
 
 class Float16Variance(nn.Module):

@@ -17,14 +17,17 @@ import torch
 __all__ = ["gradient_sums", "probed_gradients"]
 
 
-def probed_gradients(outputs: Sequence[torch.Tensor], parameters: Sequence[torch.Tensor]
+def probed_gradients(outputs: Sequence[torch.Tensor], parameters: Sequence[torch.Tensor], scale: float = 1.0
                      ) -> tuple[torch.Tensor | None, ...]:
-    """The parameters' gradients from a seeded random output gradient (the graph kept by the backward before)."""
+    """The parameters' gradients from a seeded random output gradient times ``scale`` (the graph kept by the
+    backward before, kept again for another probe)."""
     directions = []
     for output in outputs:
         generator = torch.Generator(output.device).manual_seed(0)
-        directions.append(torch.randn(output.shape, generator=generator, device=output.device).to(output.dtype))
-    return tuple(torch.autograd.grad(list(outputs), list(parameters), grad_outputs=directions, allow_unused=True))
+        direction = torch.randn(output.shape, generator=generator, device=output.device) * scale
+        directions.append(direction.to(output.dtype))
+    return tuple(torch.autograd.grad(list(outputs), list(parameters), grad_outputs=directions, allow_unused=True,
+                                     retain_graph=True))
 
 
 def gradient_sums(grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
@@ -33,7 +36,11 @@ def gradient_sums(grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.
     backward started from ``ones`` and every one is 0, those of :func:`probed_gradients` instead."""
     if ones and not any(grad is not None and bool(grad.any()) for grad in grads):
         with contextlib.suppress(RuntimeError):  # (a graph that cannot run backward twice: the ones' gradients stand)
-            probed = probed_gradients(outputs, parameters)
-            # (a random direction that overflows, in float16, says nothing of the loss's: the ones' gradients stand)
-            grads = probed if all(grad is None or bool(grad.isfinite().all()) for grad in probed) else grads
+            # A direction whose backward overflows (float16) is tried again scaled down (gradients are linear in it);
+            # one that still does not come out finite says nothing: the ones' gradients stand.
+            for scale in (1.0, 2.0**-14):
+                probed = probed_gradients(outputs, parameters, scale)
+                if all(grad is None or bool(grad.isfinite().all()) for grad in probed):
+                    grads = probed
+                    break
     return tuple(None if grad is None else float(grad.double().abs().sum()) for grad in grads)
