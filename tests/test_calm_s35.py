@@ -215,3 +215,29 @@ def test_two_losses_scaled_past_float32_are_a_benign_skip(form: str, mode: str, 
     assert w.report is None, w.report.message if w.report else ""
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert [event.step for event in w.events if event.benign] == [0], [event.message for event in w.events]
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_a_float16_loss_added_in_place_to_a_scaled_one_is_raised_not_held(mode: str) -> None:
+    """``s = scaler.scale(finite); s += fp16_loss`` (inf at step 2): ``s`` has the scale's storage and shape, but not
+    its value; it was held as the scale's benign skip in every mode (review of calm-fix-s35). The output's version
+    at ``scale`` is kept: an in-place op after it is not the scale's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(6, 4)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **MODE_OPTIONS[mode]):
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x) * (1000.0 if step == 2 else 1.0)
+                loss = (out * out).sum()  # float16: inf at step 2
+            opt.zero_grad()
+            s = scaler.scale(out.float().pow(2).mean())
+            s += loss
+            s.backward()
+            scaler.step(opt)
+            scaler.update()
+    report = caught.value.report
+    assert (report.step, report.op, report.benign) == (2, "aten.mul.Tensor", False), report.message
+    assert report.source is not None and report.source.line.strip().startswith("loss = (out * out).sum()")

@@ -56,7 +56,9 @@ class ScalerCallbacks:
 
 
 _callbacks: list[ScalerCallbacks] = []
-_KEPT_SCALED = 16
+#: Bounded to about two steps' calls: a ``backward(retain_graph=True)`` loss kept here keeps its graph (AMP's
+#: several-losses recipe), and a longer accumulation's first micro-steps fall out (their overflow then reads as before).
+_KEPT_SCALED = 4
 # A subclass's ``step`` that calls ``super().step`` must report once, from the outermost call.
 _depth = threading.local()
 
@@ -123,10 +125,11 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
-# (what ``scale`` returned, what it was given) for each tensor of its latest calls (each step's, and each micro-step's
+# (what ``scale`` returned, what it was given, the output's version then: ``s += other_loss`` after it is not the
+# scale's overflow) for each tensor of its latest calls (each step's, and each micro-step's
 # of gradient accumulation): kept while a watch is active, so that a non-finite loss can be told for the scale's own
 # overflow of a finite loss (:func:`scaled_from_finite`), checked only then. Bounded; cleared by the last watch's exit.
-_scaled: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=_KEPT_SCALED)
+_scaled: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque(maxlen=_KEPT_SCALED)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -138,7 +141,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def scaled_from_finite(loss: torch.Tensor) -> bool:
     """``loss`` (its storage) is what a GradScaler's ``scale`` returned, and the loss it was given is finite; or
     ``loss`` is the sum of two such (``scaler.scale(l1) + scaler.scale(l2)``: its autograd node an add of theirs)."""
-    scaled = list(_scaled)
+    scaled = [(out, given) for out, given, version in _scaled if out._version == version]
 
     def made(tensor: torch.Tensor) -> torch.Tensor | None:  # the loss given to the scale that returned ``tensor``
         at = tensor.untyped_storage().data_ptr()
@@ -164,7 +167,7 @@ def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
             callbacks.on_scale(self)
         scaled = original(self, outputs)
         if _callbacks:
-            _scaled.extend((out, given) for out, given in zip(_tensors(scaled), _tensors(outputs)))
+            _scaled.extend((out, given, out._version) for out, given in zip(_tensors(scaled), _tensors(outputs)))
         return scaled
 
     return scale
