@@ -322,7 +322,8 @@ class OptimizerChecks:
             self.in_step, self._stepping, held, self.pending_overflow = False, None, self.pending_overflow, None
             self.skipped_in_a_row = 0
             watch.cycle.end_step(step)
-            watch.on_step_ran(held)  # (a held loss the step ran after: not the scaler's overflow)
+            if held is not None:  # (a held loss the step ran after: not the scaler's overflow; none on most steps)
+                watch.on_step_ran(held)
 
     @property
     def steps(self) -> int:
