@@ -152,7 +152,8 @@ def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Te
 
 def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
     """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0), up
-    to the mean's rounding: a centred value of equal values is ``x - sum(x) / n``, 1e-7 where n is 6 (sqrt(eps))."""
+    to the mean's rounding: within sqrt(eps) of 0 (equal values less their mean, ``x - sum(x) / n``, are 1e-7 at
+    n = 6 in float32)."""
     numerator = args[0] if index == 1 else None
     if isinstance(numerator, (int, float)):
         return numerator == 0 or not bool((divisor == 0).any())
