@@ -159,7 +159,8 @@ def test_show_prints_a_scenes_report_with_the_fixes_tried(script, tmp_path) -> N
     done = run("show", "scenes/nan_scene_step2.pt", "--json", "shown.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("nan_magic: first non-finite value in forward step 2: 1 (Norm), op aten.div.Tensor")
-    assert "Fixes tried on a replay of step 2" in done.stdout and "eps: its denominator clamped" in done.stdout
+    # (centred / sqrt(mean(centred ** 2)) of a zero row: a norm of 0, 0 / 0: eps added to it, fixes-s35)
+    assert "Fixes tried on a replay of step 2" in done.stdout and "eps: its denominator plus" in done.stdout
     assert json.loads((tmp_path / "shown.json").read_text())["fixes"][0]["kind"] == "eps"
 
 
