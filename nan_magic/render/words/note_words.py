@@ -33,7 +33,6 @@ _TEMPLATES: dict[str, str] = {
     "own-number": "the non-finite number the op was given is torch's own: torch.{function}, which the line calls, "
                   "is a composite that passes it (not a number the code set)",
     "log-edge": "{function}'s output is infinite in {count:~element} where its y is {edge:g}, its log's edge",
-    # localize/ops/divisor.py: what made a division's divisor, read from its autograd node
     "spread-divisor": "the divisor is the output of a {spread} (its autograd node or recorded op), not a count",
     # localize/outside/loop_writes.py: a step's non-finite learning rate, made by the loop's code
     "lr-made-by-loop": "the learning rate lr = {lr} was set by the loop from a tensor its code computed: "
