@@ -48,21 +48,21 @@ from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_rewrapped
 from nan_magic.localize.ops.sources import GENERATED, PASSED_OVER, passed_over
-from nan_magic.localize.outside.applied import applied_calls
-from nan_magic.localize.outside.dispatch_stack import _INERT, OnTheDispatchStack, _inference
+from nan_magic.localize.outside.dispatch_stack import _INERT, OnTheDispatchStack, _inference, _stack_depth
+from nan_magic.localize.outside.dispatch_stack import _push as _push_mode
 from nan_magic.localize.outside.generated import generated_line
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
     KEEP_TOTAL,
     bytes_held,
     held_bytes,
-    small_frames,
-    still_running,
+    returned_let_go,
     weakened,
 )
 from nan_magic.localize.outside.op_entries import PASS, SEEDED_OP, ZERO_GRAD_CODES, op_entry, passes
 from nan_magic.localize.outside.recorded_ops import RecordedOp, detached_from_model
 from nan_magic.localize.outside.region_records import RegionRecords
+from nan_magic.patches.inference_blocks import BLOCKS
 from nan_magic.records import Note
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -175,7 +175,11 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
-        self._push()
+        # (_push, inlined: three regions start a step)
+        if (not self.pushed and _stack_depth() == 0 and not self.apart
+                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
+            _push_mode(self)
+            self.pushed = True
 
     def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
         """A top-level model call began, its positional batch judged: the data region's records are held.
@@ -334,22 +338,12 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         (held.small_frames): %debug opens there at the op. The immediate check judged the loss before this is called;
         a data region's records serve its loss region's claims in either mode (batch_entered)."""
         self._walked, self._generated = (None, None), None  # (a held frame keeps its locals, a large tensor too)
-        held: set[FrameType] = {op[8] for op in self._ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
-        if not held:
-            return
-        running = still_running(held)
-        if running == held:  # the usual loss: written in the loop's own frame, still running
-            return
-        # (A custom Function's forward is such a frame: its apply, noted for a backward replay: outside/applied.py.)
-        self._applied.update(applied_calls(self._ops, held - running, running, self._calls))
-        if self.holds_data if keep_small is None else keep_small:
-            running |= small_frames(held - running)
-            self._keep_calls(running)
-        else:  # (judged already: the frames' calls are asked no more)
-            self._calls, self._last_frame = {}, None
-        # (The record again with no frame: tuple.__new__ directly, one call; a named tuple's _replace is four.)
-        self._ops = [op if op[8] is None or op[8] in running else _new_tuple(RecordedOp, (*op[:8], None))
-                     for op in self._ops]
+        let_go = returned_let_go(self._ops, self._calls, self.holds_data if keep_small is None else keep_small)
+        if let_go is not None:  # (None: the usual loss, written in the loop's own frame, still running)
+            self._ops, self._calls, applied = let_go
+            self._last_frame = None
+            if applied:
+                self._applied.update(applied)
 
     def note(self) -> Note | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -431,7 +425,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                     self._calls[back] = None if up is None else (up, up.f_lasti, line_at(up))
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
-            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1, None)))
+            self._ops += (_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1, None)),)
         else:
             # The line kept by instruction (line_at, inlined: f_lineno scans the code's line table at each read).
             user_code, lasti = frame.f_code, frame.f_lasti
@@ -442,8 +436,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 line = line_at(frame)
             if self._generated is not None:
                 line = generated_line(self._generated, user_code, line)
-            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, user_code, line,
-                                                     frame.f_globals, lasti, frame)))
+            self._ops += (_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, user_code, line,  # (+=, no call)
+                                                  frame.f_globals, lasti, frame)),)
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
             base = out._base  # bytes_held, inlined
@@ -497,4 +491,3 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
 
 
 _new_tuple = tuple.__new__
-_NO_FRAME = frozenset((None,))
