@@ -64,20 +64,23 @@ def returned_let_go(ops: list[RecordedOp], calls: Calls, keep_small: bool
     With ``keep_small``, a returned frame whose tensors are small stays (:func:`small_frames`: %debug opens there at
     the op), and so do the calls noted for the frames kept, but a caller's that returned and is let go (its frame
     would keep its locals alive; a small one stays too); else no call stays (judged already: asked no more).
-    One walk up the stack serves the frames and their callers (a step whose loss ran in a helper asks both).
+    One walk up the stack serves the frames and their callers (a step whose loss ran in a helper asks both); it stops
+    where the last of the frames is found running.
     """
     held = {op[8] for op in ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
     if not held:
         return None
     on_stack: list[FrameType] = []
+    running: set[FrameType] = set()
     frame: FrameType | None = sys._getframe(1)  # (not this one: the list would hold its own frame, a cycle)
     while frame is not None:
+        if frame in held:
+            running |= {frame}
+            if running == held:  # (the usual loss: up to the loop's frame, not the notebook's frames above it)
+                return None
         on_stack += (frame,)  # (no call per frame)
         frame = frame.f_back
     stack = set(on_stack)
-    running = held & stack
-    if running == held:
-        return None
     # (A custom Function's forward is such a frame: its apply, noted for a backward replay.)
     applied = applied_calls(ops, held - running, running, calls)
     if keep_small:
