@@ -98,6 +98,8 @@ def returned_let_go(ops: list[RecordedOp], calls: Calls, keep_small: bool
                 kept[frame] = site
     else:
         kept = {}
+    if running == held:  # (a returned helper's small frame, kept: the records as they are)
+        return ops, kept, applied
     # (The record again with no frame: tuple.__new__ directly, one call; a named tuple's _replace is four.)
     return ([op if op[8] is None or op[8] in running else _new_tuple(RecordedOp, (*op[:8], None)) for op in ops],
             kept, applied)
