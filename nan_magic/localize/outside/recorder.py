@@ -48,8 +48,7 @@ from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_rewrapped
 from nan_magic.localize.ops.sources import GENERATED, PASSED_OVER, passed_over
-from nan_magic.localize.outside.dispatch_stack import _INERT, OnTheDispatchStack, _inference, _stack_depth
-from nan_magic.localize.outside.dispatch_stack import _push as _push_mode
+from nan_magic.localize.outside.dispatch_stack import _INERT, OnTheDispatchStack, _inference
 from nan_magic.localize.outside.generated import generated_line
 from nan_magic.localize.outside.held import (
     KEEP_BYTES,
@@ -62,7 +61,6 @@ from nan_magic.localize.outside.held import (
 from nan_magic.localize.outside.op_entries import PASS, SEEDED_OP, ZERO_GRAD_CODES, op_entry, passes
 from nan_magic.localize.outside.recorded_ops import RecordedOp, detached_from_model
 from nan_magic.localize.outside.region_records import RegionRecords
-from nan_magic.patches.inference_blocks import BLOCKS
 from nan_magic.records import Note
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -175,11 +173,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self._region = region
         self._entry = entry
         self._budget = DATA_BUDGET if region == "data" else UPDATE_BUDGET if region == "update" else LOSS_BUDGET
-        # (_push, inlined: three regions start a step)
-        if (not self.pushed and _stack_depth() == 0 and not self.apart
-                and _inference() == (blocks[-1][1] if (blocks := BLOCKS.open) else self._watch_inferring)):
-            _push_mode(self)
-            self.pushed = True
+        self._push()
 
     def batch_entered(self, goes_on: Callable[[], bool] | None = None) -> None:
         """A top-level model call began, its positional batch judged: the data region's records are held.
