@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from nan_magic.localize.outside.applied import Applied, applied_calls
 from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, swapped, weak_record
 
 __all__ = [
-    "KEEP_BYTES", "KEEP_TOTAL", "bytes_held", "held_bytes", "small_frames", "still_running", "storage_bytes",
-    "weakened",
+    "KEEP_BYTES", "KEEP_TOTAL", "Calls", "bytes_held", "held_bytes", "returned_let_go", "small_frames",
+    "still_running", "storage_bytes", "weakened",
 ]
 
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
@@ -40,14 +41,68 @@ def storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 def still_running(frames: set[FrameType]) -> set[FrameType]:
-    """Those of ``frames`` still running in this thread (a walk up the stack, one call per frame found)."""
-    running = set()
+    """Those of ``frames`` still running in this thread (a walk up the stack, no call per frame)."""
+    running: set[FrameType] = set()
     frame: FrameType | None = sys._getframe()
     while frame is not None:
         if frame in frames:
-            running.add(frame)
+            running |= {frame}  # (not add(): a call)
         frame = frame.f_back
     return running
+
+
+#: Where each frame that ran recorded ops was called: the calling frame, its f_lasti and line then (recorder.py).
+Calls = dict[FrameType, tuple[FrameType, int, int] | None]
+
+
+def returned_let_go(ops: list[RecordedOp], calls: Calls, keep_small: bool
+                    ) -> tuple[list[RecordedOp], Calls, dict[int, Applied]] | None:
+    """``ops`` with the frames of functions that returned let go (a held frame keeps its locals), ``calls`` as far as
+    they stay, and the custom Functions' applies among the ops (outside/applied.py); None where every frame the ops
+    hold is still running (the usual loss, written in the loop's own frame): nothing to let go.
+
+    With ``keep_small``, a returned frame whose tensors are small stays (:func:`small_frames`: %debug opens there at
+    the op), and so do the calls noted for the frames kept, but a caller's that returned and is let go (its frame
+    would keep its locals alive; a small one stays too); else no call stays (judged already: asked no more).
+    One walk up the stack serves the frames and their callers (a step whose loss ran in a helper asks both); it stops
+    where the last of the frames is found running.
+    """
+    held = {op[8] for op in ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
+    if not held:
+        return None
+    on_stack: list[FrameType] = []
+    running: set[FrameType] = set()
+    frame: FrameType | None = sys._getframe(1)  # (not this one: the list would hold its own frame, a cycle)
+    while frame is not None:
+        if frame in held:
+            running |= {frame}
+            if running == held:  # (the usual loss: up to the loop's frame, not the notebook's frames above it)
+                return None
+        on_stack += (frame,)  # (no call per frame)
+        frame = frame.f_back
+    stack = set(on_stack)
+    # (A custom Function's forward is such a frame: its apply, noted for a backward replay.)
+    applied = applied_calls(ops, held - running, running, calls)
+    if keep_small:
+        running |= small_frames(held - running)
+        returned: set[FrameType] = set()
+        for site in calls.values():  # (a loop, not a comprehension: that is one call more a step)
+            if site is not None and site[0] not in running and site[0] not in stack:
+                returned |= {site[0]}
+        alive = running | stack
+        if returned:
+            alive |= small_frames(returned)
+        kept: Calls = {}
+        for frame, site in calls.items():
+            if frame in alive and site is not None and site[0] in alive:
+                kept[frame] = site
+    else:
+        kept = {}
+    if running == held:  # (a returned helper's small frame, kept: the records as they are)
+        return ops, kept, applied
+    # (The record again with no frame: tuple.__new__ directly, one call; a named tuple's _replace is four.)
+    return ([op if op[8] is None or op[8] in running else _new_tuple(RecordedOp, (*op[:8], None)) for op in ops],
+            kept, applied)
 
 
 def small_frames(frames: set[FrameType]) -> set[FrameType]:
@@ -173,3 +228,7 @@ def weakened(ops: list[RecordedOp], keep_total: int = KEEP_TOTAL) -> list[Record
                     out=swapped(weak_unless_small, op.out))
         for op in ops
     ]
+
+
+_new_tuple = tuple.__new__
+_NO_FRAME = frozenset((None,))

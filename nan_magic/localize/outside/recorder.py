@@ -48,7 +48,6 @@ from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_rewrapped
 from nan_magic.localize.ops.sources import GENERATED, PASSED_OVER, passed_over
-from nan_magic.localize.outside.applied import applied_calls
 from nan_magic.localize.outside.dispatch_stack import _INERT, OnTheDispatchStack, _inference
 from nan_magic.localize.outside.generated import generated_line
 from nan_magic.localize.outside.held import (
@@ -56,8 +55,7 @@ from nan_magic.localize.outside.held import (
     KEEP_TOTAL,
     bytes_held,
     held_bytes,
-    small_frames,
-    still_running,
+    returned_let_go,
     weakened,
 )
 from nan_magic.localize.outside.op_entries import PASS, SEEDED_OP, ZERO_GRAD_CODES, op_entry, passes
@@ -334,22 +332,12 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         (held.small_frames): %debug opens there at the op. The immediate check judged the loss before this is called;
         a data region's records serve its loss region's claims in either mode (batch_entered)."""
         self._walked, self._generated = (None, None), None  # (a held frame keeps its locals, a large tensor too)
-        held: set[FrameType] = {op[8] for op in self._ops} - _NO_FRAME  # (op.frame: no attribute lookup per op)
-        if not held:
-            return
-        running = still_running(held)
-        if running == held:  # the usual loss: written in the loop's own frame, still running
-            return
-        # (A custom Function's forward is such a frame: its apply, noted for a backward replay: outside/applied.py.)
-        self._applied.update(applied_calls(self._ops, held - running, running, self._calls))
-        if self.holds_data if keep_small is None else keep_small:
-            running |= small_frames(held - running)
-            self._keep_calls(running)
-        else:  # (judged already: the frames' calls are asked no more)
-            self._calls, self._last_frame = {}, None
-        # (The record again with no frame: tuple.__new__ directly, one call; a named tuple's _replace is four.)
-        self._ops = [op if op[8] is None or op[8] in running else _new_tuple(RecordedOp, (*op[:8], None))
-                     for op in self._ops]
+        let_go = returned_let_go(self._ops, self._calls, self.holds_data if keep_small is None else keep_small)
+        if let_go is not None:  # (None: the usual loss, written in the loop's own frame, still running)
+            self._ops, self._calls, applied = let_go
+            self._last_frame = None
+            if applied:
+                self._applied.update(applied)
 
     def note(self) -> Note | None:
         """What a report says where the code outside the models went unrecorded."""
@@ -431,7 +419,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                     self._calls[back] = None if up is None else (up, up.f_lasti, line_at(up))
         # (tuple.__new__ directly: a named tuple's own __new__ is one Python call more.)
         if frame is None:
-            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1, None)))
+            self._ops += (_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, None, 0, None, -1, None)),)
         else:
             # The line kept by instruction (line_at, inlined: f_lineno scans the code's line table at each read).
             user_code, lasti = frame.f_code, frame.f_lasti
@@ -442,8 +430,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 line = line_at(frame)
             if self._generated is not None:
                 line = generated_line(self._generated, user_code, line)
-            self._ops.append(_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, user_code, line,
-                                                     frame.f_globals, lasti, frame)))
+            self._ops += (_new_tuple(RecordedOp, (func, tuple(args), kwargs, out, user_code, line,  # (+=, no call)
+                                                  frame.f_globals, lasti, frame)),)
         if type(out) is torch.Tensor:  # most ops: no walk of a pytree
             self._produced[id(out)] = index
             base = out._base  # bytes_held, inlined
@@ -497,4 +485,3 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
 
 
 _new_tuple = tuple.__new__
-_NO_FRAME = frozenset((None,))

@@ -24,7 +24,7 @@ from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import Plan
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.applied import Applied, rerun_applied
-from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL, small_frames, still_running
+from nan_magic.localize.outside.held import KEEP_BYTES, KEEP_TOTAL
 from nan_magic.localize.outside.recorded_ops import (
     Detached,
     EarlierLoss,
@@ -336,27 +336,6 @@ class RegionRecords:
             sites.append(site)
             frame = site[0]
         return tuple(reversed(sites))
-
-    def _keep_calls(self, kept: set[FrameType]) -> None:
-        """For the deferred check: let go of the calls noted for frames let go, and of those whose caller returned
-        and is let go (a caller's frame held here would keep its locals alive); a returned caller whose tensors
-        are small stays (held.small_frames), as the frames that ran ops do."""
-        alive = set(kept)
-        callers: set[FrameType] = set()
-        for site in self._calls.values():  # (a loop, not a comprehension: that is one call more a step)
-            if site is not None and site[0] not in alive:
-                callers |= {site[0]}
-        if callers:
-            running = still_running(callers)
-            alive |= running
-            returned = callers - running
-            if returned:
-                alive |= small_frames(returned)
-        calls: dict[FrameType, tuple[FrameType, int, int] | None] = {}
-        for frame, site in self._calls.items():
-            if frame in alive and site is not None and site[0] in alive:
-                calls[frame] = site
-        self._calls, self._last_frame = calls, None
 
     def witness(
         self, finding: OpFinding
