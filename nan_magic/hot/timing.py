@@ -168,9 +168,11 @@ class Immediate(Timing):
         judge(*args)
 
     def finite_by_sum(self, tensor: torch.Tensor, known: bool) -> bool:
-        # (-inf < sum < inf, not math.isfinite: a call less a gradient; NaN fails the comparison.)
+        # (-inf < sum < inf, not math.isfinite: a call less a gradient; NaN fails the comparison. Detached only where
+        # it needs a gradient, a create_graph backward's: the others record no graph, and a detach is an op each.)
         return (tensor.is_cpu and tensor.dtype in WIDE_FLOATS and tensor.layout is torch.strided
-                and (known or -math.inf < float(tensor.detach().sum()) < math.inf))
+                and (known or -math.inf < float((tensor.detach() if tensor.requires_grad else tensor).sum())
+                     < math.inf))
 
     def free_read(self, read: Callable[[], T]) -> T | None:
         return read()
