@@ -56,9 +56,9 @@ class ScalerCallbacks:
 
 
 _callbacks: list[ScalerCallbacks] = []
-#: Bounded to about two steps' calls: a ``backward(retain_graph=True)`` loss kept here keeps its graph (AMP's
-#: several-losses recipe), and a longer accumulation's first micro-steps fall out (their overflow then reads as before).
-_KEPT_SCALED = 4
+#: The scale outputs kept between two steps of the scaler: a longer accumulation's first micro-steps fall out (their
+#: overflow then reads as before).
+_KEPT_SCALED = 8
 # A subclass's ``step`` that calls ``super().step`` must report once, from the outermost call.
 _depth = threading.local()
 
@@ -126,9 +126,11 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # (what ``scale`` returned, what it was given, the output's version then: ``s += other_loss`` after it is not the
-# scale's overflow) for each tensor of its latest calls (each step's, and each micro-step's
-# of gradient accumulation): kept while a watch is active, so that a non-finite loss can be told for the scale's own
-# overflow of a finite loss (:func:`scaled_from_finite`), checked only then. Bounded; cleared by the last watch's exit.
+# scale's overflow) for each tensor of the scale calls since the scaler's last step (each micro-step's of gradient
+# accumulation): kept while a watch is active, so that a non-finite loss can be told for the scale's own overflow of a
+# finite loss (:func:`scaled_from_finite`), checked only then. They hold their graphs (a ``backward(retain_graph=True)``
+# loss's activations, AMP's several-losses recipe): dropped when the scaler's step returns, once the watch judged the
+# step, as the user's loop drops its losses; bounded; cleared by the last watch's exit.
 _scaled: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque(maxlen=_KEPT_SCALED)
 
 
@@ -188,6 +190,8 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
             _depth.value = depth
         for callbacks, token in zip(listeners, tokens):
             callbacks.after_step(self, optimizer, token)
+        # The step is judged (a skip's check ran in after_step): the scaled losses and their graphs go with it.
+        _scaled.clear()
         return result
 
     return step
