@@ -198,16 +198,7 @@ def test_the_several_losses_recipe_keeps_no_retained_graph_past_its_step(mode: s
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-_FRAME_KEPT = pytest.mark.xfail(strict=True, reason=(
-    "the tiered watch (default, defer, full) keeps two earlier steps' retained l1 graphs alive where l1's activation "
-    "is made in a helper: the code recorder records scaler.update()'s own op (aten._amp_update_scale_) in the data "
-    "region with the step function's frame, and keeps a returned frame whose tensor locals are small "
-    "(localize/outside/held.small_frames, for %debug), but its scalar l1 holds the graph backward(retain_graph=True) "
-    "kept; ops=True records no region and holds none"))
-
-
-@pytest.mark.parametrize("mode", [
-    pytest.param(mode, marks=_FRAME_KEPT) if not MODE_OPTIONS[mode].get("ops") else mode for mode in MODE_OPTIONS])
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
 def test_a_retained_graph_made_in_a_helper_is_not_kept_past_its_step(mode: str) -> None:
     def run(watched: dict[str, object] | None) -> list[int]:
         torch.manual_seed(0)
