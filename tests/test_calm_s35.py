@@ -196,18 +196,9 @@ def _two_losses(form: str) -> Callable[[], list[torch.Tensor]]:
     return run
 
 
-_SUM_AFTER_DEFERRED = pytest.mark.xfail(strict=True, reason=(
-    "ops=True, defer=True: (scaler.scale(l1) + scaler.scale(l2)).backward() whose scale overflows float32 is raised "
-    "as a first non-finite loss at step 0 (a false alarm): the summed loss is a temporary gone by the deferred "
-    "check, so nothing tells it was made of the scaler's outputs; scale([l1, l2]) or scale(l1 + l2) is held"))
-
-
 @pytest.mark.parametrize("mode", list(MODE_OPTIONS))
 @pytest.mark.parametrize("form", ["list", "sum", "sum after"])
-def test_two_losses_scaled_past_float32_are_a_benign_skip(form: str, mode: str, request: pytest.FixtureRequest
-                                                           ) -> None:
-    if (form, mode) == ("sum after", "ops-defer"):
-        request.applymarker(_SUM_AFTER_DEFERRED)
+def test_two_losses_scaled_past_float32_are_a_benign_skip(form: str, mode: str) -> None:
     expected = _two_losses(form)()
     run = _two_losses(form)
     with nan_magic.watch(**MODE_OPTIONS[mode]) as w:

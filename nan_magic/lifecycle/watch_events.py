@@ -185,12 +185,14 @@ class WatchEvents:
             self.emit(finding)
 
     def on_loss_event(self, finding: Finding, loss: torch.Tensor | None) -> None:
-        """A non-finite loss (``loss``: the tensor, where alive): held as a backward event where it is the very
-        tensor ``scaler.scale`` returned for a finite loss (its scale past the dtype's max: the scaled gradients
-        overflow and the scaler skips the step, PRODUCT.md's benign; patches/scaler.py); any other is emitted. Held,
+        """A non-finite loss (``loss``: the tensor, where alive; else found by its record): held as a backward event
+        where it is what ``scaler.scale`` returned for finite losses, or only combined from such (``/ 2``, a sum),
+        and the scale overflowed it (the scaled gradients overflow and the scaler skips the step, PRODUCT.md's
+        benign; patches/scaler.py's scaled_from_finite); any other is emitted. Held,
         it is emitted still if the optimizer step runs after all (:meth:`on_step_ran`): only a skip makes it benign."""
-        if loss is None or not (self.optimizers.scaler_active() and scaled_from_finite(loss)
-                                and self.optimizers.hold_gradient_event(finding)):
+        freed = finding.record.ref if loss is None and finding.record is not None else None
+        if not (self.optimizers.scaler_active() and scaled_from_finite(loss, freed)
+                and self.optimizers.hold_gradient_event(finding)):
             self.emit(finding)
             return
         if finding.step is None:

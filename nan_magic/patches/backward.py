@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nan_magic.hot.reads import BATCHED_GRADS
+from nan_magic.patches import scaler
 from nan_magic.patches.registry import ProcessPatch, Recorder, SelfGated, brought_back, stepped_aside
 
 __all__ = ["marked_graph_grads", "unrecorded_input_grads", "watch_backward"]
@@ -59,6 +60,8 @@ def _begin(tensors: list[torch.Tensor], given: Any, retained: Any) -> None:
     input needs a gradient: stacklevel=5 from its hook) then names the user's backward() / grad() line, and the
     gradient check finds that line at one depth (hot/timing.py's loss_logged: its own frame, the check's, this
     one, the wrapper's, then the caller)."""
+    if scaler.kept:  # (a GradScaler's scale outputs kept until its step: the losses' nodes, for its deferred check)
+        scaler.saw_losses(tensors)
     if given is None:  # (the usual backward: no gradient given, no index kept)
         for tensor in tensors:
             for callback in _callbacks:

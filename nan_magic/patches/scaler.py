@@ -10,7 +10,8 @@ and restored when the last watch leaves (patches.py), as ``Tensor.backward``
 is for backward_patch.py. The wrappers call the originals unchanged:
 
 * ``scale(outputs)`` tells the watch that this scaler is in use, before the
-  backward whose overflow it must hold;
+  backward whose overflow it must hold, and keeps what it returned until the
+  scaler's step (:func:`scaled_from_finite` reads it at a non-finite loss);
 * ``step(optimizer)`` tells it, after the original returned, whether the
   optimizer stepped: the watch counts optimizer step calls (its global
   step hook), and a ``step`` that made none is a skipped step.
@@ -42,7 +43,7 @@ from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import SourcePointer
 
-__all__ = ["ScalerCallbacks", "scaled_from_finite", "scaler_source", "watch_scalers"]
+__all__ = ["ScalerCallbacks", "kept", "saw_losses", "scaled_from_finite", "scaler_source", "watch_scalers"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class ScalerCallbacks:
 
 
 _callbacks: list[ScalerCallbacks] = []
-#: Bounded to about two steps' calls: a ``backward(retain_graph=True)`` loss kept here keeps its graph (AMP's
-#: several-losses recipe), and a longer accumulation's first micro-steps fall out (their overflow then reads as before).
-_KEPT_SCALED = 4
+#: The scale outputs kept between two steps of the scaler: a longer accumulation's first micro-steps fall out (their
+#: overflow then reads as before).
+_KEPT_SCALED = 8
 # A subclass's ``step`` that calls ``super().step`` must report once, from the outermost call.
 _depth = threading.local()
 
@@ -126,10 +127,27 @@ def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # (what ``scale`` returned, what it was given, the output's version then: ``s += other_loss`` after it is not the
-# scale's overflow) for each tensor of its latest calls (each step's, and each micro-step's
-# of gradient accumulation): kept while a watch is active, so that a non-finite loss can be told for the scale's own
-# overflow of a finite loss (:func:`scaled_from_finite`), checked only then. Bounded; cleared by the last watch's exit.
-_scaled: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque(maxlen=_KEPT_SCALED)
+# scale's overflow) for each tensor of the scale calls since the scaler's last step (each micro-step's of gradient
+# accumulation): kept while a watch is active, so that a non-finite loss can be told for the scale's own overflow of a
+# finite loss (:func:`scaled_from_finite`), checked only then. They hold their graphs (a ``backward(retain_graph=True)``
+# loss's activations, AMP's several-losses recipe): dropped when the scaler's step returns, once the watch judged the
+# step, as the user's loop drops its losses; bounded; cleared by the last watch's exit.
+kept: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque(maxlen=_KEPT_SCALED)
+# (a weak reference to each loss a backward started from while scale outputs are kept, and its autograd node): the
+# deferred check judges a loss that was a temporary (``(scaler.scale(l1) + scaler.scale(l2)).backward()``) once it is
+# gone; its record's weak reference (the same object: weakref.ref without a callback is shared) finds its node here.
+# Noted by patches/backward.py; dropped with ``kept``.
+_losses: deque[tuple[weakref.ref[torch.Tensor], Any]] = deque(maxlen=_KEPT_SCALED)
+# Ops that only combine their inputs: sums, differences, and products or quotients by a number (checked at the node).
+_SUMS = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0", "RsubBackward1",
+                   "NegBackward0", "SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1", "StackBackward0"})
+_PRODUCTS = frozenset({"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"})
+_WALKED = 64
+
+
+def saw_losses(tensors: list[torch.Tensor]) -> None:
+    """A backward starts from ``tensors`` while scale outputs are kept: note their nodes for the deferred check."""
+    _losses.extend((weakref.ref(tensor), tensor.grad_fn) for tensor in tensors)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -138,24 +156,53 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for item in value for t in _tensors(item)] if isinstance(value, (list, tuple)) else []
 
 
-def scaled_from_finite(loss: torch.Tensor) -> bool:
-    """``loss`` (its storage) is what a GradScaler's ``scale`` returned, and the loss it was given is finite; or
-    ``loss`` is the sum of two such (``scaler.scale(l1) + scaler.scale(l2)``: its autograd node an add of theirs)."""
-    scaled = [(out, given) for out, given, version in _scaled if out._version == version]
+def _finite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return not isinstance(value, (int, float, complex)) or (value == value and abs(value) != float("inf"))
 
-    def made(tensor: torch.Tensor) -> torch.Tensor | None:  # the loss given to the scale that returned ``tensor``
-        at = tensor.untyped_storage().data_ptr()
-        return next((given for out, given in scaled
-                     if out.untyped_storage().data_ptr() == at and out.shape == tensor.shape), None)
 
-    given = made(loss)
-    if given is not None:
-        return bool(torch.isfinite(given).all())
-    node = loss.grad_fn
-    if node is None or node.name() != "AddBackward0":
+def _by_a_finite_number(node: Any) -> bool:
+    """A product or quotient node whose other operand is a finite number (its saved value, where backward has not
+    freed it: else the scale outputs' own overflow is the evidence, :func:`scaled_from_finite`)."""
+    edges = node.next_functions
+    constant = [index for index, (part, _) in enumerate(edges) if part is None]
+    if len(edges) == 1:  # (the Scalar overloads: ``s * 0.5`` where torch keeps the number)
+        constant = [1]
+    if len(constant) != 1 or (node.name().startswith("Div") and constant != [1]):
+        return False  # (a product of two scaled losses, a number divided by one: not a combination)
+    try:
+        return _finite(getattr(node, "_saved_other" if constant == [1] else "_saved_self", None))
+    except RuntimeError:  # (freed by the backward: the deferred check)
+        return True
+
+
+def scaled_from_finite(loss: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None) -> bool:
+    """``loss`` (or the loss that was a temporary, ``freed`` its record's weak reference) is made by ops that only
+    combine (add, subtract, multiply or divide by a finite number) from what a GradScaler's ``scale`` returned for
+    finite losses, at least one of those itself not finite (the scale overflowed it): the scale's own overflow,
+    ``scaler.scale(l)``, ``scaler.scale(l) / 2``, ``scaler.scale(l1) + scaler.scale(l2)``, ``sum(...)`` of them.
+    Walks a few autograd nodes and reads the scaled losses: at a non-finite loss only."""
+    node = loss.grad_fn if loss is not None else next((node for ref, node in _losses if ref is freed), None)
+    if node is None:
         return False
-    givens = [next((given for out, given in scaled if out.grad_fn is part), None) for part, _ in node.next_functions]
-    return all(given is not None and bool(torch.isfinite(given).all()) for given in givens)
+    made = {out.grad_fn: (out, given) for out, given, version in kept
+            if out._version == version and out.grad_fn is not None}
+    reached: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pending, walked = [node], 0
+    while pending:
+        node, walked = pending.pop(), walked + 1
+        if walked > _WALKED:
+            return False
+        if node in made:
+            reached.append(made[node])
+            continue
+        name = node.name()
+        if name not in _SUMS and not (name in _PRODUCTS and _by_a_finite_number(node)):
+            return False
+        pending.extend(part for part, _ in node.next_functions if part is not None)
+    return bool(reached) and all(_finite(given) for _, given in reached) and not all(
+        _finite(out) for out, _ in reached)
 
 
 def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -167,7 +214,7 @@ def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
             callbacks.on_scale(self)
         scaled = original(self, outputs)
         if _callbacks:
-            _scaled.extend((out, given, out._version) for out, given in zip(_tensors(scaled), _tensors(outputs)))
+            kept.extend((out, given, out._version) for out, given in zip(_tensors(scaled), _tensors(outputs)))
         return scaled
 
     return scale
@@ -188,6 +235,9 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
             _depth.value = depth
         for callbacks, token in zip(listeners, tokens):
             callbacks.after_step(self, optimizer, token)
+        # The step is judged (a skip's check ran in after_step): the scaled losses and their graphs go with it.
+        kept.clear()
+        _losses.clear()
         return result
 
     return step
@@ -210,4 +260,5 @@ def watch_scalers(callbacks: ScalerCallbacks) -> Iterator[None]:
             yield
     finally:
         if not _callbacks:
-            _scaled.clear()
+            kept.clear()
+            _losses.clear()

@@ -10,7 +10,10 @@ which would turn that region's recording off. Every op a dispatch mode sees
 costs torch's Python trampoline (benchmarks/interception.py), so
 ``Optimizer.zero_grad`` and ``Module.zero_grad`` are wrapped: the recorder
 steps aside (is popped, where it is the innermost mode of this thread) for the
-call and is pushed back after it.
+call and is pushed back after it. So is ``GradScaler.update``: its one op
+(``aten._amp_update_scale_``, the scaler's own bookkeeping) recorded there kept
+the loop's frame, and with it a ``backward(retain_graph=True)`` loss's graph,
+alive past the step (a returned frame whose tensor locals are small is kept).
 """
 
 from __future__ import annotations
@@ -37,7 +40,16 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return zero_grad
 
 
-_PATCH = ProcessPatch(lambda: [(torch.optim.Optimizer, "zero_grad", _wrap), (nn.Module, "zero_grad", _wrap)])
+def _wrap_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        return call_aside(_recorders, original, self, *args, **kwargs)
+
+    return update
+
+
+_PATCH = ProcessPatch(lambda: [(torch.optim.Optimizer, "zero_grad", _wrap), (nn.Module, "zero_grad", _wrap),
+                               (torch.amp.GradScaler, "update", _wrap_update)])
 
 
 @contextmanager
