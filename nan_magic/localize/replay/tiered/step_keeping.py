@@ -64,7 +64,11 @@ class _Cycle(Protocol):
 # names at each lookup (2.4 us for torch's ``Module._call_impl``, 6 us a call's walk). Each code object is held
 # with its entry, so its id is not reused.
 _WALKED: dict[int, tuple[CodeType, bool]] = {}
+_LAST_USER: list[CodeType | None] = [None]
 _NO_PARAMETERS: frozenset[int] = frozenset()
+#: ``nn.Module.__call__``'s frames, passed over with no lookup: every top-level call's walk starts with them.
+_CALL_IMPL = nn.Module._call_impl.__code__
+_WRAPPED_CALL_IMPL = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", _CALL_IMPL)
 #: torch.cuda's private initialised flag, where it has one (as rng.py reads it), and the CPU generator.
 _CUDA_FLAG = getattr(torch.cuda, "_initialized", None)
 _CPU_GENERATOR = torch.default_generator
@@ -174,10 +178,16 @@ class StepKeeping:
         # pre-hook; torch's _call_impl called it.
         caller: FrameType | None = sys._getframe(2)
         while caller is not None:
-            walked = _WALKED.get(id(code := caller.f_code))
+            if (code := caller.f_code) is _CALL_IMPL or code is _WRAPPED_CALL_IMPL:  # (torch's __call__: no lookup)
+                caller = caller.f_back
+                continue
+            if code is _LAST_USER[0]:  # (the loop's line of the last call: the usual step's, no lookup)
+                break
+            walked = _WALKED.get(id(code))
             if walked is None:
                 walked = _WALKED[id(code)] = (code, not is_library_code(code))
             if walked[1]:
+                _LAST_USER[0] = code
                 break
             caller = caller.f_back
         # (f_lineno scans the code's line table: kept by instruction, lines.py; line_at's lookup inlined, every step)
