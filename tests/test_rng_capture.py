@@ -17,6 +17,7 @@ from torch import nn
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.hot.kept import rng
+from nan_magic.localize.replay.tiered import step_keeping
 
 TIMINGS = [pytest.param({}, id="immediate"), pytest.param({"defer": True}, id="deferred")]
 BIG = 1e38  # finite; twice it is too, four times it is not
@@ -60,6 +61,17 @@ class _NoiseInHelper(nn.Module):
         return _noisy(self.lin(x))
 
 
+class _Counting:
+    """The CPU generator, counting the states taken of it."""
+
+    def __init__(self, calls: list[int]) -> None:
+        self.calls = calls
+
+    def get_state(self) -> torch.Tensor:
+        self.calls.append(1)
+        return torch.default_generator.get_state()
+
+
 def _train(model: nn.Module, batches: list[torch.Tensor], opt: torch.optim.Optimizer) -> None:
     for x in batches:
         loss = model(x).mean()
@@ -91,6 +103,8 @@ def test_the_state_is_taken_once_only_for_a_sequential_of_leaf_modules_that_draw
     calls: list[int] = []
     capture = rng.capture_rng_state
     monkeypatch.setattr(rng, "capture_rng_state", lambda: calls.append(1) or capture())
+    # (A model with a forward of its own takes the CPU generator's state inline, in StepKeeping.begin.)
+    monkeypatch.setattr(step_keeping, "_CPU_GENERATOR", _Counting(calls))
     built = model()
     opt = torch.optim.SGD(built.parameters(), lr=0.0)
     with nan_magic.watch(built, opt) as w:

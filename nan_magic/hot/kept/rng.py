@@ -77,22 +77,24 @@ class ModelStates:
     """
 
     def __init__(self) -> None:
-        #: Per Sequential: its children when last called, and the state it is given again (None: it may draw).
-        self._kept: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[nn.Module | None, ...], RngState | None]] = (
-            weakref.WeakKeyDictionary())
+        #: Per Sequential, by id: a weak reference to it, its children when last called, and the state it is given
+        #: again (None: it may draw). A dict by id, not a WeakKeyDictionary: its ``get`` is a Python call that makes
+        #: a weak reference at each call (every top-level call); the entry goes as the Sequential does.
+        self._kept: dict[int, tuple[weakref.ref[nn.Module], tuple[nn.Module | None, ...], RngState | None]] = {}
 
     def take(self, module: nn.Module) -> RngState:
         """The state to replay this call of ``module`` from."""
         if type(module) is not nn.Sequential:  # (a model with a forward of its own: taken at every call)
             return capture_rng_state()
-        kept, children = self._kept.get(module), tuple(module._modules.values())
-        if kept is not None and kept[0] == children:  # (the same children: it draws as it did, or not)
-            return kept[1] or capture_rng_state()
+        kept, children = self._kept.get(id(module)), tuple(module._modules.values())
+        if kept is not None and kept[1] == children and kept[0]() is module:  # (the same children: it draws as it
+            return kept[2] or capture_rng_state()  # did, or not)
         rng = capture_rng_state()
         # (A user's forward hook on it or a child may draw: ``x + noise`` in a pre-hook. Asked as the children are.)
         draws = _hooked(module) or not all(
             child is not None and draws_no_random(child) and not _hooked(child) for child in children)
-        self._kept[module] = (children, None if draws else rng)
+        key, by_id = id(module), self._kept
+        by_id[key] = (weakref.ref(module, lambda _gone: by_id.pop(key, None)), children, None if draws else rng)
         return rng
 
 

@@ -23,7 +23,7 @@ from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step
 from nan_magic.hot.kept.input_writes import inputs_before
 from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
-from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast
+from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
 from nan_magic.hot.reads import iter_tensors, version_of
 from nan_magic.localize.replay.line_replay import nodes_made
@@ -58,24 +58,21 @@ class _Cycle(Protocol):
     def sync(self) -> list[float]: ...
 
 
-# Code objects of the frames between the watch's pre-hook and the user's line (torch's, ours), and the user's:
-# the walk of each top-level call asks sets, not a function per frame, once a code object is known.
-_PASSED: set[CodeType] = set()
+# The code objects of the frames between the watch's pre-hook and the user's line (torch's, ours: False), and the
+# user's (True), by id: the walk of each top-level call asks a dict, not a function per frame, once a code object is
+# known. By id, not by the code object: a code object's hash is not cached, it hashes its bytecode, constants and
+# names at each lookup (2.4 us for torch's ``Module._call_impl``, 6 us a call's walk). Each code object is held
+# with its entry, so its id is not reused.
+_WALKED: dict[int, tuple[CodeType, bool]] = {}
+_LAST_USER: list[CodeType | None] = [None]
 _NO_PARAMETERS: frozenset[int] = frozenset()
-_USERS: set[CodeType] = set()
-
-
-def _calling_frame(frame: FrameType | None) -> FrameType | None:
-    """The user's frame at or above ``frame`` (errors/frames.user_line, cached by code object)."""
-    while frame is not None:
-        code = frame.f_code
-        if code in _USERS:
-            return frame
-        if code in _PASSED:
-            frame = frame.f_back
-        else:
-            (_PASSED if is_library_code(code) else _USERS).add(code)
-    return None
+#: ``nn.Module.__call__``'s frames, passed over with no lookup: every top-level call's walk starts with them.
+_CALL_IMPL = nn.Module._call_impl.__code__
+_WRAPPED_CALL_IMPL = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__", _CALL_IMPL)
+#: torch.cuda's private initialised flag, where it has one (as rng.py reads it), and the CPU generator.
+_CUDA_FLAG = getattr(torch.cuda, "_initialized", None)
+_CPU_GENERATOR = torch.default_generator
+_new_tuple = tuple.__new__
 
 
 class _Watched(Protocol):
@@ -142,18 +139,23 @@ class StepKeeping:
         if slots[1]:
             mutable = self._mutable.get(model)
             owners, names, plain, counters, _written = slots
-            present = (
-                [buffer for buffer in map(_dict_get, owners, names) if buffer is not None]
-                if plain
-                else [buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None]
-            )
-            buffer_versions = with_versions(present)
-            live = (
-                dict(zip(map(id, present), present))
-                if mutable is None
-                else {key: buffer for key, buffer in zip(map(id, present), present) if key in mutable}
-            )
-            # (A BatchNorm model in training changes only its step counters after the first call: no copy at all.)
+            # (Each buffer with its version, in one comprehension: with_versions inlined, every top-level call.)
+            try:
+                buffer_versions = (
+                    [(buffer, buffer._version) for buffer in map(_dict_get, owners, names) if buffer is not None]
+                    if plain
+                    else [(buffer, buffer._version) for owner, name in zip(owners, names)
+                          if (buffer := owner.get(name)) is not None]
+                )
+            except RuntimeError:  # an inference tensor has no version counter
+                buffer_versions = with_versions(
+                    [buffer for owner, name in zip(owners, names) if (buffer := owner.get(name)) is not None])
+            if mutable is None:  # (its first call: every buffer is copied)
+                live = {id(buffer): buffer for buffer, _version in buffer_versions}
+            elif mutable:
+                live = {key: buffer for buffer, _version in buffer_versions if (key := id(buffer)) in mutable}
+            else:  # (A BatchNorm model in training changes only its step counters after the first call: no copy.)
+                live = {}
             buffers = self._buffer_copies.take(module, live) if live else {}
         else:  # a model without buffers (an MLP, a transformer with LayerNorm): none to copy or follow
             buffer_versions, live, buffers, counters = [], {}, {}, _NO_PARAMETERS
@@ -166,8 +168,28 @@ class StepKeeping:
             versions = []
         else:
             versions = [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(args)]
-        rng = self._states.take(module)  # (once for a Sequential that draws nothing: rng.py)
-        caller = _calling_frame(sys._getframe(2))  # frame 1 is the watch's pre-hook; torch's _call_impl called it
+        if type(module) is nn.Sequential:  # (once for a Sequential that draws nothing: rng.py)
+            rng = self._states.take(module)
+        elif _CUDA_FLAG is None or torch.cuda._initialized:  # (CUDA's generators too: capture_rng_state)
+            rng = capture_rng_state()
+        else:  # (capture_rng_state inlined: a CPU-only program's every top-level call)
+            rng = _new_tuple(RngState, (_CPU_GENERATOR.get_state(), None))
+        # The user's frame that made the call (_calling_frame inlined: every top-level call). Frame 1 is the watch's
+        # pre-hook; torch's _call_impl called it.
+        caller: FrameType | None = sys._getframe(2)
+        while caller is not None:
+            if (code := caller.f_code) is _CALL_IMPL or code is _WRAPPED_CALL_IMPL:  # (torch's __call__: no lookup)
+                caller = caller.f_back
+                continue
+            if code is _LAST_USER[0]:  # (the loop's line of the last call: the usual step's, no lookup)
+                break
+            walked = _WALKED.get(id(code))
+            if walked is None:
+                walked = _WALKED[id(code)] = (code, not is_library_code(code))
+            if walked[1]:
+                _LAST_USER[0] = code
+                break
+            caller = caller.f_back
         # (f_lineno scans the code's line table: kept by instruction, lines.py; line_at's lookup inlined, every step)
         line = 0
         if caller is not None:
@@ -258,14 +280,20 @@ class StepKeeping:
             if model not in self._mutable:
                 self._mutable[model] = set()
             return
-        try:  # (``_version`` read directly: this runs at every top-level call; an inference tensor has none)
-            moved = {id(buffer) for buffer, version in root.buffer_versions if buffer._version != version}
-        except RuntimeError:
-            moved = {id(buffer) for buffer, version in root.buffer_versions if version_of(buffer) != version}
-        if root.counters:  # (a BatchNorm's step counter is counted back at a replay, not copied: counted_back)
-            moved -= root.counters
+        # (A BatchNorm's step counter is counted back at a replay, not copied: counted_back. ``_version`` read
+        # directly, in a loop, not a comprehension's call: this runs at every top-level call.)
+        counters = root.counters
+        moved: set[int] = set()
+        try:
+            for buffer, version in root.buffer_versions:
+                if buffer._version != version and (key := id(buffer)) not in counters:
+                    moved.add(key)
+        except RuntimeError:  # an inference tensor has no version counter
+            moved = {key for buffer, version in root.buffer_versions
+                     if version_of(buffer) != version and (key := id(buffer)) not in counters}
         known = self._mutable.get(model)
-        self._mutable[model] = moved | known if known else moved
+        if known is None or moved - known:  # (the usual call moves nothing new: the set stays as it is)
+            self._mutable[model] = moved | known if known else moved
 
     def capture_gradient(self, call: Call, path: str, grad: torch.Tensor) -> None:
         """The gradient flowing into output ``path`` of a top-level call (its tensor hook)."""
