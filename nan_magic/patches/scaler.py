@@ -138,6 +138,9 @@ kept: deque[tuple[torch.Tensor, torch.Tensor, int]] = deque(maxlen=_KEPT_SCALED)
 # gone; its record's weak reference (the same object: weakref.ref without a callback is shared) finds its node here.
 # Noted by patches/backward.py; dropped with ``kept``.
 _losses: deque[tuple[weakref.ref[torch.Tensor], Any]] = deque(maxlen=_KEPT_SCALED)
+# (the number each product or quotient node between those losses and the scale outputs kept, as their backward began:
+# the backward frees it, the deferred check reads it; dropped with ``kept``)
+_factors: dict[Any, Any] = {}
 # Ops that only combine their inputs: sums, differences, and products or quotients by a number (checked at the node).
 _SUMS = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0", "RsubBackward1",
                    "NegBackward0", "SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1", "StackBackward0"})
@@ -146,8 +149,23 @@ _WALKED = 64
 
 
 def saw_losses(tensors: list[torch.Tensor]) -> None:
-    """A backward starts from ``tensors`` while scale outputs are kept: note their nodes for the deferred check."""
-    _losses.extend((weakref.ref(tensor), tensor.grad_fn) for tensor in tensors)
+    """A backward starts from ``tensors`` while scale outputs are kept: note their nodes for the deferred check, and
+    the numbers their products and quotients keep (a backward frees them: ``/ 2``'s and ``* torch.tensor(nan)``'s
+    alike), by reference: nothing is read until a non-finite loss asks (:func:`scaled_from_finite`)."""
+    for tensor in tensors:
+        node = tensor.grad_fn
+        _losses.append((weakref.ref(tensor), node))
+        pending, walked, made = [node], 0, {out.grad_fn for out, _given, _version in kept}
+        while pending and walked < _WALKED:
+            node, walked = pending.pop(), walked + 1
+            if node is None or node in made:
+                continue
+            name = node.name()
+            if name in _PRODUCTS:
+                _factors[node] = _factor(node)
+            elif name not in _SUMS:
+                break  # (not a combination: judged so at the check, whatever it keeps)
+            pending.extend(part for part, _ in node.next_functions)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -162,27 +180,37 @@ def _finite(value: Any) -> bool:
     return not isinstance(value, (int, float, complex)) or (value == value and abs(value) != float("inf"))
 
 
-def _by_a_finite_number(node: Any) -> bool:
-    """A product or quotient node whose other operand is a finite number (its saved value, where backward has not
-    freed it: else the scale outputs' own overflow is the evidence, :func:`scaled_from_finite`)."""
+def _factor(node: Any) -> Any:
+    """The number a product or quotient node keeps (``None`` where it is no product by one number)."""
     edges = node.next_functions
     constant = [index for index, (part, _) in enumerate(edges) if part is None]
     if len(edges) == 1:  # (the Scalar overloads: ``s * 0.5`` where torch keeps the number)
         constant = [1]
     if len(constant) != 1 or (node.name().startswith("Div") and constant != [1]):
-        return False  # (a product of two scaled losses, a number divided by one: not a combination)
+        return None  # (a product of two scaled losses, a number divided by one: not a combination)
+    return getattr(node, "_saved_other" if constant == [1] else "_saved_self", None)
+
+
+def _by_a_finite_number(node: Any) -> bool:
+    """A product or quotient node whose other operand is a finite number: its saved value, or where the backward has
+    freed it (the deferred check), the value :func:`saw_losses` kept as the backward started; else not known finite,
+    so the node is not a combination."""
     try:
-        return _finite(getattr(node, "_saved_other" if constant == [1] else "_saved_self", None))
-    except RuntimeError:  # (freed by the backward: the deferred check)
-        return True
+        factor = _factor(node)
+    except RuntimeError:  # (freed by the backward)
+        if node not in _factors:
+            return False
+        factor = _factors[node]
+    return factor is not None and _finite(factor)
 
 
 def scaled_from_finite(loss: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None) -> bool:
     """``loss`` (or the loss that was a temporary, ``freed`` its record's weak reference) is made by ops that only
     combine (add, subtract, multiply or divide by a finite number) from what a GradScaler's ``scale`` returned for
     finite losses, at least one of those itself not finite (the scale overflowed it): the scale's own overflow,
-    ``scaler.scale(l)``, ``scaler.scale(l) / 2``, ``scaler.scale(l1) + scaler.scale(l2)``, ``sum(...)`` of them.
-    Walks a few autograd nodes and reads the scaled losses: at a non-finite loss only."""
+    ``scaler.scale(l)``, ``scaler.scale(l) / 2``, ``scaler.scale(l1) + scaler.scale(l2)``, the
+    ``torch.stack([...]).mean()`` of them. Walks a few autograd nodes and reads the scaled losses: at a non-finite
+    loss only."""
     node = loss.grad_fn if loss is not None else next((node for ref, node in _losses if ref is freed), None)
     if node is None:
         return False
@@ -198,11 +226,18 @@ def scaled_from_finite(loss: torch.Tensor | None, freed: weakref.ref[torch.Tenso
             reached.append(made[node])
             continue
         name = node.name()
-        if name not in _SUMS and not (name in _PRODUCTS and _by_a_finite_number(node)):
+        if name in _SUMS:
+            # An operand with no graph (a detached NaN metric, ``+ torch.tensor(nan)``, Python's ``sum()``'s 0: they
+            # look alike here) is not known to be finite: not benign (a false alarm, never a hidden incident).
+            if any(part is None for part, _ in node.next_functions) or not _finite(getattr(node, "_saved_alpha", 1)):
+                return False  # (``torch.add(a, b, alpha=nan)``: the factor is the node's)
+        elif not (name in _PRODUCTS and _by_a_finite_number(node)):
             return False
         pending.extend(part for part, _ in node.next_functions if part is not None)
-    return bool(reached) and all(_finite(given) for _, given in reached) and not all(
-        _finite(out) for out, _ in reached)
+    # A scale that overflows a finite loss makes it +-inf, never NaN (a NaN scale, a NaN loss: not benign).
+    overflowed = [out for out, _ in reached if not _finite(out)]
+    return bool(overflowed) and all(_finite(given) for _, given in reached) and not any(
+        bool(torch.isnan(out).any()) for out in overflowed)
 
 
 def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -238,6 +273,7 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
         # The step is judged (a skip's check ran in after_step): the scaled losses and their graphs go with it.
         kept.clear()
         _losses.clear()
+        _factors.clear()
         return result
 
     return step
@@ -262,3 +298,4 @@ def watch_scalers(callbacks: ScalerCallbacks) -> Iterator[None]:
         if not _callbacks:
             kept.clear()
             _losses.clear()
+            _factors.clear()
