@@ -21,7 +21,7 @@ from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, swap
 
 __all__ = [
     "KEEP_BYTES", "KEEP_TOTAL", "Calls", "bytes_held", "held_bytes", "returned_let_go", "small_frames",
-    "still_running", "storage_bytes", "weakened",
+    "storage_bytes", "weakened",
 ]
 
 #: A recorded tensor whose storage is at most this size stays strongly held during ``backward()``
@@ -38,17 +38,6 @@ def storage_bytes(tensor: torch.Tensor) -> tuple[int, int] | None:
         return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested, a subclass)
         return None
-
-
-def still_running(frames: set[FrameType]) -> set[FrameType]:
-    """Those of ``frames`` still running in this thread (a walk up the stack, no call per frame)."""
-    running: set[FrameType] = set()
-    frame: FrameType | None = sys._getframe()
-    while frame is not None:
-        if frame in frames:
-            running |= {frame}  # (not add(): a call)
-        frame = frame.f_back
-    return running
 
 
 #: Where each frame that ran recorded ops was called: the calling frame, its f_lasti and line then (recorder.py).
