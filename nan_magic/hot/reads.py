@@ -59,8 +59,8 @@ def is_checkable(value: Any) -> bool:
     read (:func:`unreadable_reason`). The one definition every check uses:
     module outputs, the loss, gradients, parameters and the op tracer.
     """
-    # (The hot path asks each of a step's boundary tensors: its dtype in a set, not is_floating_point and itemsize;
-    # numel(), not the shape's tuple; torch's two C tests bound here.)
+    # (The hot path asks each of a step's boundary tensors: its dtype in a set, not is_floating_point and itemsize,
+    # torch's two C tests bound here; attributes, not methods: shape for numel() > 0.)
     if type(value) not in _PLAIN:
         if not isinstance(value, torch.Tensor):
             return False
@@ -72,7 +72,7 @@ def is_checkable(value: Any) -> bool:
         and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
         and not _is_functional(value)
     ):
-        return value.numel() > 0  # the hot path: a dense real floating tensor of torch's own type
+        return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
 
 
