@@ -264,6 +264,26 @@ def test_an_extreme_batch_warns_in_deferred_mode_from_the_step_summary() -> None
     assert "the batch entering the model" in warning.message
 
 
+@pytest.mark.parametrize("extreme", [5e7, -5e7])
+def test_an_extreme_batch_warns_at_its_step_where_the_feature_rule_does_not_run(extreme: float) -> None:
+    """The default watch (immediate) passes over a batch's early warnings where nothing can be said (a finite batch
+    within the limit, on a step the per-feature rule skips: hot/checks/forward.py's record_data): a batch of |x| = 1e6
+    at step 1 says nothing (the limit is exclusive), one beyond it at step 3, either sign, is told at step 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nan_magic.watch(model, opt) as w:
+        for step in range(5):
+            batch = torch.randn(8, 4)
+            batch[0, 0] = {1: -1e6, 3: extreme}.get(step, 0.5)
+            opt.zero_grad()
+            model(batch).mean().backward()
+            opt.step()
+    assert w.report is None and 3 % BATCH_RULE_EVERY
+    (warning,) = w.warnings
+    assert (warning.kind, warning.step, warning.value) == ("extreme-input", 3, abs(extreme))
+
+
 def test_gradients_near_the_half_precision_limit_warn_before_they_overflow() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).half()

@@ -59,18 +59,18 @@ def is_checkable(value: Any) -> bool:
     read (:func:`unreadable_reason`). The one definition every check uses:
     module outputs, the loss, gradients, parameters and the op tracer.
     """
-    # (Attributes, not methods, on the hot path: dtype.is_floating_point, and shape for numel() > 0.)
+    # (The hot path asks each of a step's boundary tensors: its dtype in a set, not is_floating_point and itemsize,
+    # torch's two C tests bound here; attributes, not methods: shape for numel() > 0.)
     if type(value) not in _PLAIN:
         if not isinstance(value, torch.Tensor):
             return False
     elif (
-        value.dtype.is_floating_point
-        and value.layout is torch.strided
+        value.dtype in _READ_AS_IS  # (float8 and packed float4, one byte: asked below)
+        and value.layout is _STRIDED
         and not value.is_meta
         and not value.is_nested
         and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
-        and not torch._is_functional_tensor(value)
-        and value.itemsize != 1  # (float8 and packed float4: asked below)
+        and not _is_functional(value)
     ):
         return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
     return (value.is_floating_point() or value.is_complex()) and unreadable_reason(value) is None and value.numel() > 0
@@ -120,6 +120,11 @@ _NO_NONFINITE = frozenset(dtype for dtype in (getattr(torch, "float4_e2m1fn_x2",
 
 #: Whether a tensor is a functorch transform's wrapper (vmap's batched, grad's tracking one).
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+#: Whether a tensor is functionalize's wrapper.
+_is_functional = torch._is_functional_tensor
+#: The floating dtypes of more than one byte: those :func:`is_checkable` finds readable as they are.
+_READ_AS_IS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_STRIDED = torch.strided
 
 
 class _BatchedGrads:

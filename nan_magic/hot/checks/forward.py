@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.hot.checks.early import BATCH_RULE_EVERY, EXTREME_INPUT
 from nan_magic.hot.checks.hosts import CallReplayer, ForwardHost, ProducerJudge
 from nan_magic.hot.kept.call_records import (
     FIRST_ARGUMENT,
@@ -338,6 +339,12 @@ class ForwardChecks:
             if consumer is not None and self._hook_gradient is not None and tensor.grad_fn is not None:
                 record.consumers.append(consumer)  # (as below)
                 self._hook_gradient(record, tensor)
+            if (not record.kinds and -EXTREME_INPUT <= record.low <= record.high <= EXTREME_INPUT
+                    and self.watch.cycle.step % BATCH_RULE_EVERY):
+                # A finite batch read at once, with no extreme value, on a step the per-feature rule does not run:
+                # _judge_data would find nothing to judge and the early warnings nothing to say (most steps). A
+                # pending probe (deferred) has NaN bounds: the timing's ``now`` is asked, and holds it for the check.
+                return
         else:
             call = log.new_call(Phase.DATA, info, module, None)
             for path, argument, tensor in tensors:

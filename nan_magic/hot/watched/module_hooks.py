@@ -96,7 +96,15 @@ class GlobalModuleHooks:
 
     def step_aside_for(self, model: nn.Module) -> None:
         """Take the global hooks off while ``model`` runs; they come back when its call returns or raises."""
-        self._off()
+        if self._attached and (ids := self._ids) is not None:  # (_off, inlined: every top-level call)
+            pre_id, post_id = ids
+            if pre_id in (pre_hooks := module_registry._global_forward_pre_hooks):
+                del pre_hooks[pre_id]
+            for registry in (module_registry._global_forward_hooks, module_registry._global_forward_hooks_with_kwargs,
+                             module_registry._global_forward_hooks_always_called):
+                if post_id in registry:
+                    del registry[post_id]
+            self._attached = False
         if id(model) not in self._wrapped and self._stack is not None:
             self._wrapped.add(id(model))
             handle = model.register_forward_hook(_ModelReturned(self._model_returned), with_kwargs=True,
@@ -127,7 +135,15 @@ class GlobalModuleHooks:
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if self._stack is None or self._attached:
             return  # a call made before the watch stepped aside (or after it ended)
-        self._on()
+        if (ids := self._ids) is not None:  # (_on's second branch, inlined: every top-level call returns here)
+            pre_id, post_id = ids
+            module_registry._global_forward_pre_hooks[pre_id] = self.pre
+            module_registry._global_forward_hooks[post_id] = self.post
+            module_registry._global_forward_hooks_with_kwargs[post_id] = True
+            module_registry._global_forward_hooks_always_called[post_id] = True
+            self._attached = True
+        else:
+            self._on()
         if output is None and sys.exc_info()[1] is not None:
             self.post(module, args, output)  # the always_call form of a call that raised
         else:
