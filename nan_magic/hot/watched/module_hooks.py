@@ -96,15 +96,7 @@ class GlobalModuleHooks:
 
     def step_aside_for(self, model: nn.Module) -> None:
         """Take the global hooks off while ``model`` runs; they come back when its call returns or raises."""
-        if self._attached and (ids := self._ids) is not None:  # (_off, inlined: every top-level call)
-            pre_id, post_id = ids
-            if pre_id in (pre_hooks := module_registry._global_forward_pre_hooks):
-                del pre_hooks[pre_id]
-            for registry in (module_registry._global_forward_hooks, module_registry._global_forward_hooks_with_kwargs,
-                             module_registry._global_forward_hooks_always_called):
-                if post_id in registry:
-                    del registry[post_id]
-            self._attached = False
+        self._off()
         if id(model) not in self._wrapped and self._stack is not None:
             self._wrapped.add(id(model))
             handle = model.register_forward_hook(_ModelReturned(self._model_returned), with_kwargs=True,
