@@ -205,14 +205,23 @@ def test_the_several_losses_recipe_keeps_no_retained_graph_past_its_step(mode: s
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+class _OwnUpdateScaler(torch.amp.GradScaler):
+    """A scaler with its own ``update`` that runs an op of its own (as FSDP's ShardedGradScaler's does)."""
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        super().update(new_scale)
+        self._growth_tracker.add_(0)  # type: ignore[union-attr]  # (its own bookkeeping: values unchanged)
+
+
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, _OwnUpdateScaler], ids=["GradScaler", "own update"])
 @pytest.mark.parametrize("mode", list(MODE_OPTIONS))
-def test_a_retained_graph_made_in_a_helper_is_not_kept_past_its_step(mode: str) -> None:
+def test_a_retained_graph_made_in_a_helper_is_not_kept_past_its_step(mode: str, scaler_class: type) -> None:
     def run(watched: dict[str, object] | None) -> list[int]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
         head = nn.Linear(8, 4096)
         opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-3)
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = scaler_class("cpu")
         x = torch.randn(128, 8)
         activations: list[weakref.ref[torch.Tensor]] = []
         alive: list[int] = []

@@ -43,7 +43,9 @@ from nan_magic.errors.frames import is_library_code, pointer
 from nan_magic.patches.registry import ProcessPatch, Wrap
 from nan_magic.records import SourcePointer
 
-__all__ = ["ScalerCallbacks", "kept", "saw_losses", "scaled_from_finite", "scaler_source", "watch_scalers"]
+__all__ = [
+    "ScalerCallbacks", "kept", "saw_losses", "scaled_from_finite", "scaler_classes", "scaler_source", "watch_scalers",
+]
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ _KEPT_SCALED = 8
 _depth = threading.local()
 
 
-def _scaler_classes() -> list[type]:
+def scaler_classes() -> list[type]:
     """``torch.amp.GradScaler`` and all its subclasses imported so far."""
     found: list[type] = []
     pending: list[type] = [torch.amp.GradScaler]
@@ -282,7 +284,7 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
 def _plan() -> list[tuple[type, str, Wrap]]:
     """Each scaler class's own ``__init__``, ``scale`` and ``step`` (a subclass that inherits one shares the base's)."""
     wraps = (("__init__", _wrap_init), ("scale", _wrap_scale), ("step", _wrap_step))
-    return [(cls, name, wrap) for cls in _scaler_classes() for name, wrap in wraps if name in vars(cls)]
+    return [(cls, name, wrap) for cls in scaler_classes() for name, wrap in wraps if name in vars(cls)]
 
 
 _PATCH = ProcessPatch(_plan)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from nan_magic.patches.registry import ProcessPatch, Recorder, call_aside
+from nan_magic.patches.scaler import scaler_classes
 
 __all__ = ["unrecorded_zero_grad"]
 
@@ -48,8 +49,9 @@ def _wrap_update(original: Callable[..., Any]) -> Callable[..., Any]:
     return update
 
 
+# (each scaler class's own ``update``: FSDP's ShardedGradScaler, a user's subclass, as patches/scaler.py wraps ``step``)
 _PATCH = ProcessPatch(lambda: [(torch.optim.Optimizer, "zero_grad", _wrap), (nn.Module, "zero_grad", _wrap),
-                               (torch.amp.GradScaler, "update", _wrap_update)])
+                               *[(cls, "update", _wrap_update) for cls in scaler_classes() if "update" in vars(cls)]])
 
 
 @contextmanager
