@@ -24,6 +24,7 @@ from nan_magic.locations import function_name, name_location
 from nan_magic.records import SourcePointer
 
 __all__ = [
+    "CODES_KEPT",
     "cut_at_placed",
     "cut_where_passed_through",
     "end_at_producer",
@@ -207,14 +208,19 @@ def leaving_entry(frame: FrameType | None) -> TracebackType | None:
     return None if frame is None else TracebackType(None, frame, frame.f_lasti, frame.f_lineno)
 
 
-# id(code) -> (code, is library code); holding the code keeps its id unique.
+# id(code) -> (code, is library code); holding the code keeps its id unique. Cleared past CODES_KEPT entries: code
+# compiled again at every step (a model called from ``exec``'d or ``eval``'d code) makes a new code object each time.
 _LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
+#: How many code objects a cache by id (this one, the replay's walk to the user's frame) holds before it starts again.
+CODES_KEPT = 1 << 12
 
 
 def is_library_code(code: CodeType) -> bool:
     """:func:`is_library_file` for a code object, cached (asked for every frame of a walk up the stack)."""
     entry = _LIBRARY_CODE.get(id(code))
     if entry is None:
+        if len(_LIBRARY_CODE) >= CODES_KEPT:
+            _LIBRARY_CODE.clear()
         entry = _LIBRARY_CODE[id(code)] = (code, is_library_file(code.co_filename))
     return entry[1]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from nan_magic.errors.frames import frames_running, is_library_code, pointer, pointer_at
+from nan_magic.errors.frames import CODES_KEPT, frames_running, is_library_code, pointer, pointer_at
 from nan_magic.localize.ops.owners import CALL_IMPL, forward_hook_module
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
@@ -69,6 +69,9 @@ def passed_over(code: CodeType) -> bool:
     ``__torch_function__`` (how the op was routed, not the line that asked for it: the caller's is)."""
     entry = PASSED_OVER.get(id(code))
     if entry is None:
+        if len(PASSED_OVER) >= CODES_KEPT:  # (code compiled again at each step: exec'd, eval'd; GENERATED's ids too)
+            PASSED_OVER.clear()
+            GENERATED.clear()
         entry = PASSED_OVER[id(code)] = (code, is_library_code(code) or code.co_name in _SUBCLASS_HOOKS)
         if code.co_filename.startswith("<eval_with_key>"):
             GENERATED.add(id(code))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from nan_magic.errors.frames import is_library_code
+from nan_magic.errors.frames import CODES_KEPT, is_library_code
 from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
 from nan_magic.hot.kept.input_writes import inputs_before
 from nan_magic.hot.kept.lines import LINES, line_at
@@ -185,6 +185,8 @@ class StepKeeping:
                 break
             walked = _WALKED.get(id(code))
             if walked is None:
+                if len(_WALKED) >= CODES_KEPT:  # (code compiled again each step: exec'd, eval'd)
+                    _WALKED.clear()
                 walked = _WALKED[id(code)] = (code, not is_library_code(code))
             if walked[1]:
                 _LAST_USER[0] = code
