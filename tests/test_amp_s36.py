@@ -157,25 +157,44 @@ def test_a_combined_scaled_loss_whose_step_runs_is_raised(mode: str) -> None:
     assert not any(event.benign for event in w.events), [event.message for event in w.events]
 
 
-def _several_losses(watched: dict[str, object] | None) -> tuple[list[int], list[bool], list[torch.Tensor]]:
+class _OwnUpdateScaler(torch.amp.GradScaler):
+    """A scaler with its own ``update`` that runs an op of its own (as FSDP's ShardedGradScaler's does)."""
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        super().update(new_scale)
+        self._growth_tracker.add_(0)  # type: ignore[union-attr]  # (its own bookkeeping: values unchanged)
+
+
+def _several_losses(watched: dict[str, object] | None, in_helper: bool = False,
+                    scaler_class: type = torch.amp.GradScaler) -> tuple[list[int], list[bool], list[torch.Tensor]]:
     """AMP's several-losses recipe, healthy: how many earlier steps' ``l1``-only activations (retained by
-    ``backward(retain_graph=True)``) are alive as each step's forward has run, and which are freed after the loop."""
+    ``backward(retain_graph=True)``) are alive as each step's forward has run, and which are freed after the loop.
+    ``in_helper``: ``l1`` made in a helper function (its frame returned), not in the step's own."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
     head = nn.Linear(8, 4096)  # (its activation, 2 MiB, is over what the loss code's recorder keeps of a frame)
     opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = scaler_class("cpu")
     x = torch.randn(128, 8)
     activations: list[weakref.ref[torch.Tensor]] = []
     alive: list[int] = []
+
+    def penalty(out: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(head(out))  # saved by l1's graph only: retained by its backward
+        activations.append(weakref.ref(hidden))
+        return hidden.pow(2).mean()
 
     def step() -> None:
         out = model(x)
         gc.collect()
         alive.append(sum(ref() is not None for ref in activations))
-        hidden = torch.tanh(head(out))  # saved by l1's graph only: retained by its backward
-        activations.append(weakref.ref(hidden))
-        l1, l2 = hidden.pow(2).mean(), out.pow(2).mean()
+        if in_helper:
+            l1 = penalty(out)
+        else:
+            hidden = torch.tanh(head(out))
+            activations.append(weakref.ref(hidden))
+            l1 = hidden.pow(2).mean()
+        l2 = out.pow(2).mean()
         opt.zero_grad()
         scaler.scale(l1).backward(retain_graph=True)
         scaler.scale(l2).backward()
@@ -205,54 +224,11 @@ def test_the_several_losses_recipe_keeps_no_retained_graph_past_its_step(mode: s
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-class _OwnUpdateScaler(torch.amp.GradScaler):
-    """A scaler with its own ``update`` that runs an op of its own (as FSDP's ShardedGradScaler's does)."""
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        super().update(new_scale)
-        self._growth_tracker.add_(0)  # type: ignore[union-attr]  # (its own bookkeeping: values unchanged)
-
-
 @pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, _OwnUpdateScaler], ids=["GradScaler", "own update"])
 @pytest.mark.parametrize("mode", list(MODE_OPTIONS))
 def test_a_retained_graph_made_in_a_helper_is_not_kept_past_its_step(mode: str, scaler_class: type) -> None:
-    def run(watched: dict[str, object] | None) -> list[int]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
-        head = nn.Linear(8, 4096)
-        opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-3)
-        scaler = scaler_class("cpu")
-        x = torch.randn(128, 8)
-        activations: list[weakref.ref[torch.Tensor]] = []
-        alive: list[int] = []
-
-        def penalty(out: torch.Tensor) -> torch.Tensor:
-            hidden = torch.tanh(head(out))
-            activations.append(weakref.ref(hidden))
-            return hidden.pow(2).mean()
-
-        def step() -> None:
-            out = model(x)
-            gc.collect()
-            alive.append(sum(ref() is not None for ref in activations))
-            l1, l2 = penalty(out), out.pow(2).mean()
-            opt.zero_grad()
-            scaler.scale(l1).backward(retain_graph=True)
-            scaler.scale(l2).backward()
-            scaler.step(opt)
-            scaler.update()
-
-        if watched is None:
-            for _ in range(4):
-                step()
-        else:
-            with nan_magic.watch(**watched):
-                for _ in range(4):
-                    step()
-        return alive
-
-    assert run(None) == [0] * 4
-    assert run(MODE_OPTIONS[mode]) == [0] * 4
+    assert _several_losses(None, in_helper=True, scaler_class=scaler_class)[0] == [0] * 4
+    assert _several_losses(MODE_OPTIONS[mode], in_helper=True, scaler_class=scaler_class)[0] == [0] * 4
 
 
 # A real NaN combined with a scaled loss at a step whose scale overflows (the step is skipped): an operand with no

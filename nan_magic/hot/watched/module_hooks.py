@@ -127,15 +127,7 @@ class GlobalModuleHooks:
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
         if self._stack is None or self._attached:
             return  # a call made before the watch stepped aside (or after it ended)
-        if (ids := self._ids) is not None:  # (_on's second branch, inlined: every top-level call returns here)
-            pre_id, post_id = ids
-            module_registry._global_forward_pre_hooks[pre_id] = self.pre
-            module_registry._global_forward_hooks[post_id] = self.post
-            module_registry._global_forward_hooks_with_kwargs[post_id] = True
-            module_registry._global_forward_hooks_always_called[post_id] = True
-            self._attached = True
-        else:
-            self._on()
+        self._on()
         if output is None and sys.exc_info()[1] is not None:
             self.post(module, args, output)  # the always_call form of a call that raised
         else:
