@@ -250,3 +250,41 @@ def test_global_generator_is_kept_once_a_replay_saw_it() -> None:
     first, second = watch.events[:2]
     assert (first.step, first.reproduced, first.op) == (0, False, None)
     assert (second.step, second.module, second.op, second.reproduced) == (1, "", "aten.div.Tensor", True)
+
+
+class _StochasticDepth(nn.Module):
+    """A block kept or dropped by ``bernoulli`` on its own generator: kept (step 0's draw is 1), its sqrt's backward
+    divides by 0. Seed 0 draws 1, then 0: a replay that draws the next number stays finite."""
+
+    def __init__(self, drawn: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drawn = drawn
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.bernoulli(torch.full((1, 1), 0.5), generator=self.gen) if self.drawn else torch.ones(1, 1)
+        return (self.lin(x) * 0 + (1 - keep)).sqrt()
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+def test_backward_producer_of_a_drawn_block_is_named_as_its_deterministic_twin(mode: str) -> None:
+    """The replay of the backward runs the forward from the generator's state at the call: the report is the one a
+    model that keeps the block without drawing gets (before: the default watch named 'lin', reproduced False)."""
+
+    def run(drawn: bool, options: dict[str, Any] | None) -> tuple[Any, torch.Tensor]:
+        torch.manual_seed(0)
+        model, x = _StochasticDepth(drawn), torch.randn(16, 8)
+        with nan_magic.watch(model, on_detect="log", **options) if options is not None else nullcontext() as watch:
+            model(x).sum().backward()
+        return watch, model.gen.get_state()
+
+    _none, state = run(True, None)
+    twin, _state = run(False, _MODES[mode])
+    watch, after = run(True, _MODES[mode])
+    expected, report = twin.report, watch.report
+    assert report is not None and expected is not None
+    facts = ("module", "op", "phase", "step", "nan", "posinf", "neginf", "reproduced")
+    assert {fact: getattr(report, fact) for fact in facts} == {fact: getattr(expected, fact) for fact in facts}
+    assert (report.module, report.op, str(report.phase)) == ("", "aten.div.Tensor", "backward")
+    assert torch.equal(after, state)
