@@ -10,6 +10,8 @@ zeros (checked), so a replay that draws the next numbers cannot make the same co
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -288,3 +290,21 @@ def test_backward_producer_of_a_drawn_block_is_named_as_its_deterministic_twin(m
     assert {fact: getattr(report, fact) for fact in facts} == {fact: getattr(expected, fact) for fact in facts}
     assert (report.module, report.op, str(report.phase)) == ("", "aten.div.Tensor", "backward")
     assert torch.equal(after, state)
+
+
+def test_a_new_keyword_generator_each_call_is_not_held_alive() -> None:
+    """``model(x, generator=torch.Generator().manual_seed(step))``: the watch keeps the latest few, not every one."""
+    model, x = _Keyword(), torch.randn(*_SHAPE)
+    alive = []
+    with nan_magic.watch(model, on_detect="log") as watch:
+        for step in range(40):
+            generator = torch.Generator().manual_seed(step)
+            alive.append(weakref.ref(generator))
+            with torch.no_grad():
+                model(x, generator=generator)
+            del generator
+        gc.collect()
+        held = sum(ref() is not None for ref in alive)
+    assert watch.report is None
+    # (the latest 8 learned, and the last call's own argument, held with the call for its step's replay)
+    assert held <= 9, f"the watch holds {held} of the 40 generators passed"

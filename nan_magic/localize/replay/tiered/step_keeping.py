@@ -36,12 +36,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.kept.call_records import Call
     from nan_magic.hot.watched.targets import ModuleInfo
 
-__all__ = ["MAX_CALLS", "StepKeeping"]
+__all__ = ["GENERATORS_KEPT", "MAX_CALLS", "StepKeeping"]
 
 #: Top-level calls kept at most (a GAN's two models, a siamese model called twice, a few
 #: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed. A call
 #: is released when an optimizer has stepped every trainable parameter of its model.
 MAX_CALLS = 8
+#: The user's generators a model's calls keep the states of, at most (StepKeeping.learn_generators).
+GENERATORS_KEPT = 8
 
 
 class _Timing(Protocol):
@@ -414,10 +416,14 @@ class StepKeeping:
 
     def learn_generators(self, module: nn.Module, drawn: list[torch.Generator]) -> None:
         """A replay of ``module``'s call drew from generators whose state the call did not keep (a global's, a
-        closure's, a keyword argument's): its next calls keep them (generators.py)."""
+        closure's, a keyword argument's): its next calls keep them (generators.py). At most
+        :data:`GENERATORS_KEPT`, the latest: a loop that passes a new generator each call (``generator=
+        torch.Generator().manual_seed(step)``) holds no more of them alive, nor takes more states a call."""
         known = self._generators.setdefault(id(module), [])
         keys = {generator_key(generator) for generator in known}
         known.extend(generator for generator in drawn if generator_key(generator) not in keys)
+        if len(known) > GENERATORS_KEPT:
+            del known[:len(known) - GENERATORS_KEPT]
 
     def _latest(self, module: nn.Module) -> RootCall | None:
         return next((root for root in reversed(self.calls) if root.module is module), None)
