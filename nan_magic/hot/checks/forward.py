@@ -39,6 +39,7 @@ from nan_magic.hot.kept.call_records import (
     nested_values,
     plain_arguments,
 )
+from nan_magic.hot.kept.generators import states_of
 from nan_magic.hot.kept.held import hold_arguments
 from nan_magic.hot.kept.rng import capture_autocast, capture_rng_state
 from nan_magic.hot.reads import is_checkable, iter_tensors, unread_parts
@@ -140,6 +141,8 @@ class ForwardChecks:
             self._note_inputs(call, args, "input", checkable)
         if rng is None and self.replayer.can_replay and not info.deterministic:
             rng = capture_rng_state()
+            if info.generators:  # (a module holding a generator of its own: its state too, hot/kept/generators.py)
+                rng = rng._replace(others=states_of(info.generators))
         self.stack.append(Frame(module, info, call, rng, task=task, args=args))
         if top_level or (info.is_root and not recomputing):
             self.record_data(info, module, args, "input", call if top_level else None, checkable)

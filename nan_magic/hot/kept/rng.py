@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nan_magic.hot.kept.generators import GeneratorStates, UserDraws
 from nan_magic.hot.watched.deterministic import draws_no_random
 
 __all__ = [
@@ -37,6 +38,8 @@ class RngState(NamedTuple):
 
     cpu: torch.Tensor
     cuda: tuple[torch.Tensor, ...] | None = None
+    #: The user's own generators the call may draw from, each with its state (generators.py); mostly none.
+    others: GeneratorStates = ()
 
 
 #: torch.cuda's private initialised flag, where it has one (None: it is not read).
@@ -62,7 +65,7 @@ def capture_rng_state() -> RngState:
     if (_CUDA_FLAG is None or torch.cuda._initialized) and torch.cuda.is_initialized() and torch.cuda.is_available():
         cuda = tuple(torch.cuda.get_rng_state_all())
     # (torch.get_rng_state(), one frame less; tuple.__new__: the named tuple's own __new__ is a Python call more)
-    return _new_tuple(RngState, (torch.default_generator.get_state(), cuda))
+    return _new_tuple(RngState, (torch.default_generator.get_state(), cuda, ()))
 
 
 class ModelStates:
@@ -139,12 +142,17 @@ def restore_rng_state(state: RngState) -> None:
 
 
 @contextlib.contextmanager
-def generators_at(state: RngState | None) -> Iterator[None]:
-    """The default generators at ``state`` (as they are, for None) for the duration; the user's put back after."""
+def generators_at(state: RngState | None) -> Iterator[UserDraws]:
+    """The default generators at ``state`` (as they are, for None) for the duration; the user's put back after.
+
+    The user's own generators too (generators.py): those ``state`` kept start from their kept states, and every one
+    drawn from is put back; the mode it yields lists those drawn from whose state was not kept.
+    """
     user = capture_rng_state()
     try:
         if state is not None:
             restore_rng_state(state)
-        yield
+        with UserDraws(state.others if state is not None else ()) as draws:
+            yield draws
     finally:
         restore_rng_state(user)

@@ -8,9 +8,10 @@ leaf modules, which never draw random numbers: those skip it.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-__all__ = ["draws_no_random"]
+__all__ = ["draws_no_random", "generator_key", "generators_of"]
 
 #: Modules that never draw random numbers (exact types: a subclass may override
 #: ``forward``). Their calls need no RNG state to be replayed, which saves its
@@ -33,3 +34,24 @@ _DETERMINISTIC: frozenset[type[nn.Module]] = frozenset({
 def draws_no_random(module: nn.Module) -> bool:
     """Whether a call of ``module`` certainly draws no random numbers (a known torch leaf module)."""
     return type(module) in _DETERMINISTIC
+
+
+def generators_of(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``module`` and its submodules hold as attributes (``self.gen``), each once.
+
+    Asked once per module (the watch names it, a model's first top-level call): their states are kept at its calls,
+    so that a replay draws what the call drew (hot/kept/generators.py).
+    """
+    found: dict[int, torch.Generator] = {}
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(generator_key(value), value)
+    return list(found.values())
+
+
+def generator_key(generator: torch.Generator) -> int:
+    """Which generator ``generator`` is: the address of torch's generator under it (a random op seen by a dispatch
+    mode gets a new Python object for the same generator, hot/kept/generators.py)."""
+    key: int = getattr(generator, "_cdata")  # noqa: B009 (not in torch's type stubs)
+    return key

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nan_magic.distributed.ranks import data_parallel_paths, user_path, user_type
-from nan_magic.hot.watched.deterministic import draws_no_random
+from nan_magic.hot.watched.deterministic import draws_no_random, generators_of
 from nan_magic.hot.watched.module_hooks import is_compiled
 from nan_magic.hot.watched.transparent import Transparency, transparency
 from nan_magic.options import WatchConfig
@@ -44,6 +44,9 @@ class ModuleInfo:
     compiled: bool = False
     #: Its place in its model: the user's names from the root down (``name`` is them joined), ``()`` the root.
     path: tuple[str, ...] = ()
+    #: The ``torch.Generator`` objects it and its submodules hold (``self.gen``): a replay of its call starts them
+    #: from their states at the call (hot/kept/generators.py). Empty for almost every module.
+    generators: tuple[torch.Generator, ...] = ()
 
 
 @dataclass
@@ -160,6 +163,7 @@ class Targets:
 
     def _name_modules(self, module: nn.Module, label: str | None, config: WatchConfig) -> None:
         data_parallel = data_parallel_paths(module)
+        any_generator = bool(generators_of(module))  # (one walk: a model holding none asks no submodule)
         for raw_name, submodule in module.named_modules():
             if id(submodule) in self.modules:
                 continue
@@ -178,6 +182,7 @@ class Targets:
                 deterministic=draws_no_random(submodule),
                 compiled=is_compiled(submodule),
                 path=path,
+                generators=tuple(generators_of(submodule)) if any_generator else (),
             )
             self.named[id(submodule)] = weakref.ref(submodule, self._forget_freed(id(submodule)))
 

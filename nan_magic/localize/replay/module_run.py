@@ -114,7 +114,8 @@ def replay_module(
     # The replay runs to its end, so that the producing line ends and %debug shows the locals it left
     # (line_state.py). Its output is claimed as ops=True claims a module's: the op whose value reached it, not an
     # overflow the call's own code absorbed before it (``tanh(exp(100 * h))``); else the first op that made one.
-    with _isolated(module, module_name, rng_state, kinds, autocast=autocast) as tracer, \
+    drawn: list[torch.Generator] = []  # (generators it drew from whose state was not kept: hot/kept/generators.py)
+    with _isolated(module, module_name, rng_state, kinds, autocast=autocast, drawn=drawn) as tracer, \
             arguments_untouched(args, kwargs) as guard, register_module_forward_hook(keep_raw):
         tracer.at_boundary = tracer.witnesses.hold = True  # (the origins' operands kept to the claim: histograms)
         try:
@@ -138,6 +139,11 @@ def replay_module(
         return ReplayResult(finding=None, reproduced=False, note=Note.of("replay-arguments-changed",
                                                                          module=module_name))
     benign = frozenset(tracer.benign_modules)
+    if drawn:
+        # It drew from a generator of the user's whose state at the call was not kept (a global's): other numbers,
+        # so what it made is not what the call made.
+        return ReplayResult(finding=None, reproduced=False, note=Note.of("replay-generator-not-kept",
+                                                                         module=module_name), benign_modules=benign)
     if tracer.finding is not None:
         frame = tracer.frame_of(tracer.finding)[0]  # the replay's, its locals the replay's: the report says so
         return ReplayResult(
@@ -437,6 +443,7 @@ def _isolated(
     rng_state: RngState | None,
     kinds: frozenset[str],
     autocast: AutocastState | None = None,
+    drawn: list[torch.Generator] | None = None,
 ) -> Iterator[OpTracer]:
     """Set up a replay of ``module`` that leaves no trace, and give its tracer.
 
@@ -444,7 +451,8 @@ def _isolated(
     buffers are swapped for copies; parameters and other tensors written in
     place and the modules' Python state are put back (replay/untouched.py); the
     tracer names submodules under ``module_name``; the ``autocast`` regions
-    of the original call are entered.
+    of the original call are entered. ``drawn`` gets the user's generators the replay drew from whose state at the
+    call was not kept (hot/kept/generators.py).
     """
     names = submodule_names(module, module_name)
     stack: list[str] = []
@@ -467,5 +475,9 @@ def _isolated(
         cleanup.enter_context(register_module_forward_hook(leave, always_call=True))
         for device, dtype in autocast or ():
             cleanup.enter_context(torch.autocast(device, dtype=dtype))
-        cleanup.enter_context(generators_at(rng_state))
-        yield tracer
+        draws = cleanup.enter_context(generators_at(rng_state))
+        try:
+            yield tracer
+        finally:
+            if drawn is not None:
+                drawn.extend(draws.unkept)

@@ -122,6 +122,9 @@ _TEMPLATES: dict[str, str] = {
     "replay-held": "replay of {module} gave a non-finite output that no op inside it produced: its inputs, "
                    "parameters, buffers or scalar arguments already held it",
     "replay-finite": "replay of {module} on its recorded inputs stayed finite; the op is unknown",
+    "replay-generator-not-kept": "replay of {module} drew from a torch.Generator of the user's whose state at the "
+                                 "call was not kept (a global or a closure's generator, or one passed by keyword), "
+                                 "so it drew other numbers; the op is unknown",
     "replay-arguments-changed": "{module} changed an object it was given (a cache it appended to), so a replay of "
                                 "it from that object does not repeat the call",
     "cannot-replay": "cannot replay {module}: {reason}",
@@ -134,9 +137,15 @@ _TEMPLATES: dict[str, str] = {
     "not-reproduced-inputs": "the replay of this step did not reproduce the event ({reason}); this is what the "
                              "step's boundary check saw: a replay starts from the values the write left, so watch "
                              "with ops=True (%%nantrace --ops), whose tracer sees the write as it runs",
+    "not-reproduced-generator": "the replay of this step did not reproduce the event ({reason}); this is what the "
+                                "step's boundary check saw: watch with ops=True (%%nantrace --ops), whose tracer "
+                                "sees each op as it runs",
     "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
                              "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
     "step-replay-finite": "the replay stayed finite",
+    "generator-not-kept": "the forward drew from a torch.Generator whose state at the call was not kept (a global "
+                          "or a closure's generator, or one passed by keyword), so the replay drew other numbers; "
+                          "its state is kept from the model's next call on",
     "fused-apart": "{fused}, PyTorch's fused kernel for the whole layer (its inference fast path), made the value; a "
                    "replay with that fast path off (torch.backends.mha.set_fastpath_enabled(False)) made it again "
                    "and names the op inside the layer",

@@ -152,6 +152,8 @@ class Outcome:
     why_not: Note | None = None
     #: What the report says of the frame %debug opens where a replay made it (replay/line_replay.py).
     debug_note: Note | None = None
+    #: The user's generators the replay drew from whose state at the call was not kept (hot/kept/generators.py).
+    unkept: list[torch.Generator] = field(default_factory=list)
 
 
 #: Makes the nested full watch of a replay over a model (its label, the replay's config); raises
@@ -242,7 +244,8 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             if tensor.requires_grad and id(tensor) in copies and not copies[id(tensor)].requires_grad:
                 inputs.append(copies[id(tensor)].requires_grad_())
                 input_paths.append(path)
-        stack.enter_context(generators_at(root.rng))  # the call's draws (dropout), the user's put back after
+        # The call's draws (dropout, its own generators'), the user's put back after.
+        draws = stack.enter_context(generators_at(root.rng))
         # An op of the replay with no user frame inside the model (an nn.Linear's, a parametrization's) was
         # run by the user's line that called the model, not by the line the replay runs from (opt.step()).
         stack.enter_context(ReplayedFrom(root.site, sys._getframe(), root.caller))
@@ -289,6 +292,7 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
             # The whole replayed step's table, not the calls made up to the event: read before the watch is left.
             layers = step_layers(inner.log, inner.targets.infos(), config.max_layers, per_module=True)
     outcome.report = with_layers(inner.report, layers)
+    outcome.unkept = draws.unkept
     outcome.benign = with_layers(next((event for event in inner.events if event.benign), None), layers)
     outcome.frame, outcome.position, outcome.calls = inner.producer_frame, inner.producer_position, inner.producer_calls
     if outcome.report is not None and outcome.report.phase == Phase.DATA and outcome.report.op is None and any(
@@ -312,6 +316,8 @@ def rerun(root: RootCall, backward: bool, boundary: TensorRef | None, model: nn.
         changed = [tensor for tensor, version in _unkept(root) if version_of(tensor) != version]
         if changed:
             outcome.why_not = Note("inputs-modified")
+        elif outcome.unkept:  # (it drew other numbers than the call did: generators.py)
+            outcome.why_not = Note("generator-not-kept")
         elif outcome.failure is not None:
             outcome.why_not = Note.of("step-replay-raised", error=type(outcome.failure).__name__,
                                       message=str(outcome.failure))

@@ -133,6 +133,9 @@ class StepReplays(StepKeeping):
         # their calls keep a copy of it (hot/kept/input_writes.py).
         self._writes_input: set[int] = set()
         self._buffer_copies = BufferCopies()
+        # Per model: the user's own generators its calls keep the states of (hot/kept/generators.py), found at its
+        # first call among its modules' attributes, and learned from a replay that drew from another.
+        self._generators: dict[int, list[torch.Generator]] = {}
         self._states = ModelStates()
         #: The call whose replay named the last event's producer (the fix trials replay it: fixes/step.py).
         self.replayed: RootCall | None = None
@@ -212,6 +215,9 @@ class StepReplays(StepKeeping):
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
             finding.rng_state = root.rng
+        if outcome.unkept and not same_counts(outcome.boundary, seen):
+            # It drew from a generator whose state at the call was not kept: other numbers, another value.
+            return self._not_replayed(seen, Note("generator-not-kept")), (finding.frame, None)
         if not same_counts(outcome.boundary, seen):
             found = outcome.report
             return self._not_replayed(seen, Note.of(
@@ -301,8 +307,11 @@ class StepReplays(StepKeeping):
         return dataclasses.replace(outcome, report=dataclasses.replace(outcome.report, note_facts=notes))
 
     def _run(self, root: RootCall, backward: bool, boundary: TensorRef | None, anomaly: bool = False) -> Outcome:
-        return rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
-                     self.watch.call_replay.standing_aside, self._nested, anomaly)
+        outcome = rerun(root, backward, boundary, self.model_of(root.module), self.watch.config,
+                        self.watch.call_replay.standing_aside, self._nested, anomaly)
+        if outcome.unkept:
+            self.learn_generators(root.module, outcome.unkept)
+        return outcome
 
     def run_to_line(self, root: RootCall, stop: LineStop) -> None:
         """Replay ``root``'s forward as a backward replay runs it, to the end of ``stop``'s line (line_replay.py)."""
@@ -350,8 +359,10 @@ class StepReplays(StepKeeping):
         # (Unseen: torch's anomaly mode stopped the backward before any check; a mode="full" watch would not see it.)
         # (Inputs written in place since the call: a mode="full" replay starts from the same written values; only
         # the op tracer, which sees the write as it runs, can name it.)
+        # (A generator whose state was not kept: a mode="full" replay draws other numbers too; ops=True sees the op.)
         note = Note.of("not-reproduced-unseen" if seen.unlocated else "not-reproduced-inputs"
-                       if why.kind == "inputs-modified" else "not-reproduced", reason=why.pair)
+                       if why.kind == "inputs-modified" else "not-reproduced-generator"
+                       if why.kind == "generator-not-kept" else "not-reproduced", reason=why.pair)
         return dataclasses.replace(seen, reproduced=False, note_facts=(*seen.note_facts, note))
 
 

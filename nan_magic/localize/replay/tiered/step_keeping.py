@@ -20,12 +20,14 @@ from torch import nn
 
 from nan_magic.errors.frames import CODES_KEPT, is_library_code
 from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step_counters, with_versions
+from nan_magic.hot.kept.generators import states_of
 from nan_magic.hot.kept.input_writes import inputs_before
 from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
 from nan_magic.hot.reads import iter_tensors, version_of
+from nan_magic.hot.watched.deterministic import generator_key, generators_of
 from nan_magic.localize.replay.line_replay import nodes_made
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 from nan_magic.patches.functional_calls import SWAPPED_OUT
@@ -34,12 +36,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.kept.call_records import Call
     from nan_magic.hot.watched.targets import ModuleInfo
 
-__all__ = ["MAX_CALLS", "StepKeeping"]
+__all__ = ["GENERATORS_KEPT", "MAX_CALLS", "StepKeeping"]
 
 #: Top-level calls kept at most (a GAN's two models, a siamese model called twice, a few
 #: micro-batches of gradient accumulation); older ones are dropped and cannot be replayed. A call
 #: is released when an optimizer has stepped every trainable parameter of its model.
 MAX_CALLS = 8
+#: The user's generators a model's calls keep the states of, at most (StepKeeping.learn_generators).
+GENERATORS_KEPT = 8
 
 
 class _Timing(Protocol):
@@ -72,6 +76,7 @@ _WRAPPED_CALL_IMPL = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__
 #: torch.cuda's private initialised flag, where it has one (as rng.py reads it), and the CPU generator.
 _CUDA_FLAG = getattr(torch.cuda, "_initialized", None)
 _CPU_GENERATOR = torch.default_generator
+_GENERATOR = torch.Generator
 _new_tuple = tuple.__new__
 
 
@@ -87,6 +92,7 @@ class StepKeeping:
 
     # Set by the class that mixes this in.
     _buffer_copies: BufferCopies
+    _generators: dict[int, list[torch.Generator]]
     _library_forward: dict[int, bool]
     _mutable: dict[int, set[int] | None]
     _slots: dict[int, tuple[list[Any], list[str], bool, frozenset[int], list[Written | None]]]
@@ -128,6 +134,7 @@ class StepKeeping:
             )
             self._trainable[model] = _trainable(module)
             self._library_forward[model] = is_library_code(type(module).forward.__code__)
+            self._generators[model] = generators_of(module)
         training = module.training
         written = slots[4][training]
         parameters: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
@@ -173,7 +180,13 @@ class StepKeeping:
         elif _CUDA_FLAG is None or torch.cuda._initialized:  # (CUDA's generators too: capture_rng_state)
             rng = capture_rng_state()
         else:  # (capture_rng_state inlined: a CPU-only program's every top-level call)
-            rng = _new_tuple(RngState, (_CPU_GENERATOR.get_state(), None))
+            rng = _new_tuple(RngState, (_CPU_GENERATOR.get_state(), None, ()))
+        # The user's own generators it may draw from (generators.py): none for almost every model, a list's truth.
+        generators = self._generators[model]
+        if checkable is None and _GENERATOR in map(type, args):  # (``model(x, g)``: several arguments)
+            generators = [*generators, *(arg for arg in args if type(arg) is _GENERATOR and arg not in generators)]
+        if generators:
+            rng = rng._replace(others=states_of(generators))
         # The user's frame that made the call (_calling_frame inlined: every top-level call). Frame 1 is the watch's
         # pre-hook; torch's _call_impl called it.
         caller: FrameType | None = sys._getframe(2)
@@ -274,6 +287,10 @@ class StepKeeping:
                 break
         if kwargs:
             root.versions += [(tensor, version_of(tensor)) for _path, tensor in iter_tensors(kwargs)]
+            if drawn := [value for value in kwargs.values() if type(value) is _GENERATOR]:
+                # ``model(x, generator=g)``: a pre-hook sees no keyword argument, so its state is kept from the next
+                # call on (generators.py).
+                self.learn_generators(module, drawn)
         if root.learning is not None:
             training, written = written_parameters_after(root.learning)
             self._slots[id(module)][4][training] = written
@@ -396,6 +413,17 @@ class StepKeeping:
                 if root.buffers and self._mutable.get(id(root.module)):
                     self._buffer_copies.recycle(((root.module, root.buffer_sources, root.buffers),))
             self.calls = deque(waiting, maxlen=MAX_CALLS)
+
+    def learn_generators(self, module: nn.Module, drawn: list[torch.Generator]) -> None:
+        """A replay of ``module``'s call drew from generators whose state the call did not keep (a global's, a
+        closure's, a keyword argument's): its next calls keep them (generators.py). At most
+        :data:`GENERATORS_KEPT`, the latest: a loop that passes a new generator each call (``generator=
+        torch.Generator().manual_seed(step)``) holds no more of them alive, nor takes more states a call."""
+        known = self._generators.setdefault(id(module), [])
+        keys = {generator_key(generator) for generator in known}
+        known.extend(generator for generator in drawn if generator_key(generator) not in keys)
+        if len(known) > GENERATORS_KEPT:
+            del known[:len(known) - GENERATORS_KEPT]
 
     def _latest(self, module: nn.Module) -> RootCall | None:
         return next((root for root in reversed(self.calls) if root.module is module), None)
