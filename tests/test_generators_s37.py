@@ -308,3 +308,106 @@ def test_a_new_keyword_generator_each_call_is_not_held_alive() -> None:
     assert watch.report is None
     # (the latest 8 learned, and the last call's own argument, held with the call for its step's replay)
     assert held <= 9, f"the watch holds {held} of the 40 generators passed"
+
+
+class _ScalarLoss(nn.Module):
+    """Returns its loss, a scalar (as Hugging Face models do), after a division by a global generator's draw: its
+    one value is +inf whatever the draw, so the boundary's count cannot tell the replay's draw from the step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) / _drawn(_GLOBAL, False)).abs().mean()
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_another_draw_is_never_called_reproduced_however_few_values_the_boundary_holds(mode: str) -> None:
+    """Review of gen-s37: the replay drew other numbers (the global's state was not kept) and the scalar boundary
+    read the same one +inf: 'the replay saw the same event', reproduced True, the replay's counts. Now noted."""
+    torch.manual_seed(0)
+    _GLOBAL.manual_seed(1)
+    model, x = _ScalarLoss(), torch.randn(*_SHAPE)
+    with nan_magic.watch(model, on_detect="log", **_MODES[mode]) as watch, torch.no_grad():
+        model(x)
+    report = watch.report
+    assert report is not None and (report.posinf, report.neginf, report.nan) == (1, 0, 0)
+    assert (report.module, report.op, report.reproduced) == ("", None, False)
+    assert "not-reproduced-generator" in [note.kind for note in report.note_facts]
+
+
+class _Poisson(nn.Module):
+    """Draws by ``torch.poisson`` and ``torch.binomial``, whose schemas take the generator positionally."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op == "poisson":
+            count = torch.poisson(torch.full(_SHAPE, 0.7), generator=_GLOBAL)
+        else:
+            count = torch.binomial(torch.ones(_SHAPE), torch.full(_SHAPE, 0.5), generator=_GLOBAL)
+        return self.lin(x) / count
+
+
+@pytest.mark.parametrize("mode", ["default", "defer", "full"])
+@pytest.mark.parametrize("op", ["poisson", "binomial"])
+def test_a_generator_taken_positionally_is_put_back_and_noted(op: str, mode: str) -> None:
+    """Review of gen-s37: the replay's mode read only the ``generator`` keyword: poisson's and binomial's global
+    generator was moved on by the replay (the run after the event computed something else), with no note."""
+    def run(options: dict[str, Any] | None) -> tuple[Any, list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        _GLOBAL.manual_seed(1)
+        model, x = _Poisson(op), torch.randn(*_SHAPE)
+        outputs = []
+        with (nan_magic.watch(model, on_detect="log", **options) if options is not None else nullcontext()) as watch:
+            for _ in range(2):
+                with torch.no_grad():
+                    outputs.append(model(x))
+        return watch, outputs, _GLOBAL.get_state()
+
+    _none, unwatched, state = run(None)
+    watch, watched, after = run(_MODES[mode])
+    assert torch.equal(after, state), "the user's generator was moved by the watch"
+    assert _same(watched, unwatched)
+    report = watch.report
+    assert report is not None and report.op is None
+    kinds = [note.kind for note in report.note_facts]
+    assert ("replay-generator-not-kept" if mode == "full" else "not-reproduced-generator") in kinds
+
+
+class _Blocks(nn.Module):
+    """Ten blocks, each dividing by a draw of its own generator (held as an attribute); a keyword generator too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Noise(True) for _ in range(10)])
+        for index, block in enumerate(self.blocks):
+            block.gen.manual_seed(index + 1)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        h = self.lin(x)
+        if generator is not None:
+            h = h + torch.randn(h.shape, generator=generator) * 0.0
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+def test_learned_generators_never_push_out_those_the_modules_hold(mode: str) -> None:
+    """Review of gen-s37: the cap of 8 learned generators counted the ten the blocks hold, and a keyword generator
+    learned at the first call pushed blocks 0-2's out: a later incident in blocks.0 read module '' and no op."""
+    torch.manual_seed(0)
+    model, x, keyword = _Blocks(), torch.randn(*_SHAPE), torch.Generator().manual_seed(7)
+    with nan_magic.watch(model, on_detect="log", **_MODES[mode]) as watch, torch.no_grad():
+        for step in range(3):
+            model.blocks[0].healthy = step < 2  # its draw's zeros divide at the third call
+            model(x, generator=keyword)
+    report = watch.report
+    assert report is not None and report.step == 2
+    assert (report.module, report.op, report.reproduced) == ("blocks.0", "aten.div.Tensor", True)

@@ -88,8 +88,11 @@ class UserDraws(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        generator = kwargs.get("generator")
-        if generator is not None and (key := generator_key(generator)) not in self._user and key not in self._defaults:
-            self._user[key] = (generator, generator.get_state())
-            self.unkept.append(generator)
+        # The generator is a keyword argument of most random ops, positional in a few schemas (poisson, binomial,
+        # _standard_gamma, _sample_dirichlet): both, at an event only.
+        for generator in (kwargs.get("generator"), *(arg for arg in args if type(arg) is torch.Generator)):
+            if generator is not None and (key := generator_key(generator)) not in self._user and (
+                    key not in self._defaults):
+                self._user[key] = (generator, generator.get_state())
+                self.unkept.append(generator)
         return func(*args, **kwargs)

@@ -215,8 +215,9 @@ class StepReplays(StepKeeping):
         if not backward:
             # The scene (dump=) saves this call's inputs and generators to replay it from (scene.py).
             finding.rng_state = root.rng
-        if outcome.unkept and not same_counts(outcome.boundary, seen):
-            # It drew from a generator whose state at the call was not kept: other numbers, another value.
+        if outcome.unkept:
+            # It drew from a generator whose state at the call was not kept: other numbers, whatever it made (a
+            # boundary of one non-finite scalar, a model's loss, reads the same count from any draw).
             return self._not_replayed(seen, Note("generator-not-kept")), (finding.frame, None)
         if not same_counts(outcome.boundary, seen):
             found = outcome.report

@@ -417,13 +417,18 @@ class StepKeeping:
     def learn_generators(self, module: nn.Module, drawn: list[torch.Generator]) -> None:
         """A replay of ``module``'s call drew from generators whose state the call did not keep (a global's, a
         closure's, a keyword argument's): its next calls keep them (generators.py). At most
-        :data:`GENERATORS_KEPT`, the latest: a loop that passes a new generator each call (``generator=
-        torch.Generator().manual_seed(step)``) holds no more of them alive, nor takes more states a call."""
+        :data:`GENERATORS_KEPT` learned ones, the latest (those its modules hold all stay): a loop that passes a new
+        generator each call (``generator=torch.Generator().manual_seed(step)``) holds no more of them alive, nor
+        takes more states a call."""
         known = self._generators.setdefault(id(module), [])
         keys = {generator_key(generator) for generator in known}
         known.extend(generator for generator in drawn if generator_key(generator) not in keys)
-        if len(known) > GENERATORS_KEPT:
-            del known[:len(known) - GENERATORS_KEPT]
+        # Those its modules hold (found at its first call) always stay; only the learned ones are capped.
+        held = {generator_key(generator) for generator in generators_of(module)}
+        learned = [generator for generator in known if generator_key(generator) not in held]
+        if len(learned) > GENERATORS_KEPT:
+            dropped = {generator_key(generator) for generator in learned[:len(learned) - GENERATORS_KEPT]}
+            known[:] = [generator for generator in known if generator_key(generator) not in dropped]
 
     def _latest(self, module: nn.Module) -> RootCall | None:
         return next((root for root in reversed(self.calls) if root.module is module), None)
