@@ -411,3 +411,35 @@ def test_learned_generators_never_push_out_those_the_modules_hold(mode: str) -> 
     report = watch.report
     assert report is not None and report.step == 2
     assert (report.module, report.op, report.reproduced) == ("blocks.0", "aten.div.Tensor", True)
+
+
+@pytest.mark.parametrize("mode", list(_MODES))
+def test_loss_code_drawing_from_a_users_generator_is_replayed_with_the_steps_draw(mode: str) -> None:
+    """Review of gen-s37: loss code that divides by a draw of the user's generator (random sample weights) was
+    claimed from the generator's NEXT numbers (the replay's counts, not the step's, no note), and a fix trial's
+    replay, nested in the step's, put the generator back to its state before the step's draw: every step after the
+    event drew other numbers than unwatched."""
+    def run(options: dict[str, Any] | None) -> tuple[Any, list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        model, x, generator = nn.Linear(8, 8), torch.randn(*_SHAPE), torch.Generator().manual_seed(1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        outputs = []
+        with (nan_magic.watch(model, opt, on_detect="log", **options) if options is not None
+              else nullcontext()) as watch:
+            for _step in range(2):
+                out = model(x)
+                weighted = out / torch.randint(0, 2, out.shape, generator=generator).float()
+                outputs.append(weighted.detach().clone())
+                opt.zero_grad()
+                weighted.mean().backward()
+                opt.step()
+        return watch, outputs, generator.get_state()
+
+    watch, watched, after = run(_MODES[mode])  # (first: the caller holds no non-finite tensor of an earlier run)
+    _none, unwatched, state = run(None)
+    report = watch.report
+    assert report is not None and (report.module, report.op, report.step) == (None, "aten.div.Tensor", 0)
+    assert (report.posinf, report.neginf) == (int((unwatched[0] == torch.inf).sum()),
+                                              int((unwatched[0] == -torch.inf).sum()))
+    assert torch.equal(after, state), "the user's generator was moved by the watch"
+    assert _same(watched, unwatched)

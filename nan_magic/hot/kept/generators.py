@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.hot.watched.deterministic import generator_key
 
-__all__ = ["GeneratorStates", "UserDraws", "states_of"]
+__all__ = ["GeneratorStates", "UserDraws", "states_of", "with_user_generator"]
 
 #: ``(generator, its state)`` for each user generator a call keeps (an empty tuple for almost every model).
 GeneratorStates = tuple[tuple[torch.Generator, torch.Tensor], ...]
@@ -44,12 +44,28 @@ def states_of(generators: Sequence[torch.Generator]) -> GeneratorStates:
     return tuple((generator, generator.get_state()) for generator in generators)
 
 
+def with_user_generator(state: Any, keyword: torch.Generator | None, args: Sequence[Any]) -> Any:
+    """``state`` (an RngState) with the user's generator a random op of the loop's code is about to draw from
+    (``torch.randint(..., generator=g)`` in the loss code: outside/recorder.py), at its state now, where the state
+    keeps none of it yet (its first draw of the region) and it is not a default generator (``state`` has those)."""
+    kept = {generator_key(generator) for generator, _state in state.others} | _defaults()
+    found = [generator for generator in (keyword, *args) if type(generator) is torch.Generator]
+    fresh = [generator for generator in found if generator_key(generator) not in kept]
+    return state._replace(others=(*state.others, *states_of(fresh))) if fresh else state
+
+
 def _defaults() -> set[int]:
     """The default generators, which rng.generators_at sets and puts back itself (CUDA's where it is started)."""
     found = {generator_key(torch.default_generator)}
     if getattr(torch.cuda, "_initialized", False):
         found.update(generator_key(generator) for generator in torch.cuda.default_generators)
     return found
+
+
+#: The generators a replay's :class:`UserDraws` has set (by ``_cdata``: how many of them, nested): an op an inner one
+#: runs passes through the outer ones too, where the generator is at the inner one's kept state, not the user's, and
+#: not drawn unkept: the outer ones leave it to the inner one (a loss-code trial inside a step's replay, fixes/).
+_SET_BY_A_REPLAY: dict[int, int] = {}
 
 
 class UserDraws(TorchDispatchMode):
@@ -73,7 +89,7 @@ class UserDraws(TorchDispatchMode):
         for generator, state in self._kept:
             key = generator_key(generator)
             if key not in self._user:
-                self._user[key] = (generator, generator.get_state())
+                self._take(key, generator)
             generator.set_state(state)
         super().__enter__()
         return self
@@ -82,8 +98,16 @@ class UserDraws(TorchDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
-            for generator, state in self._user.values():
+            for key, (generator, state) in self._user.items():
                 generator.set_state(state)
+                if (held := _SET_BY_A_REPLAY[key] - 1) > 0:
+                    _SET_BY_A_REPLAY[key] = held
+                else:
+                    del _SET_BY_A_REPLAY[key]
+
+    def _take(self, key: int, generator: torch.Generator) -> None:
+        self._user[key] = (generator, generator.get_state())
+        _SET_BY_A_REPLAY[key] = _SET_BY_A_REPLAY.get(key, 0) + 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -92,7 +116,7 @@ class UserDraws(TorchDispatchMode):
         # _standard_gamma, _sample_dirichlet): both, at an event only.
         for generator in (kwargs.get("generator"), *(arg for arg in args if type(arg) is torch.Generator)):
             if generator is not None and (key := generator_key(generator)) not in self._user and (
-                    key not in self._defaults):
-                self._user[key] = (generator, generator.get_state())
+                    key not in self._defaults) and key not in _SET_BY_A_REPLAY:
+                self._take(key, generator)
                 self.unkept.append(generator)
         return func(*args, **kwargs)

@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from nan_magic.hot.kept.generators import with_user_generator
 from nan_magic.hot.kept.lines import LINES, line_at
 from nan_magic.hot.kept.rng import capture_rng_state
 from nan_magic.localize.ops.plans import Plan, run_rewrapped
@@ -369,11 +370,14 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             elif self._region == "data" and not self._entry and self.on_write:
                 self._clean = False  # (it may copy a parameter into ``before``)
                 self.on_write(writes, args, kwargs)  # (as it found it; not the entry's: a model's init, too early)
-        if kind is SEEDED_OP and self._rng is None and self._budget > 0:
-            # The region's first random op: a replay draws the same numbers from this state (taken
-            # only where the region draws any, so the usual loss costs no copy of the generators).
-            self._rng = capture_rng_state()
-            self._clean = False
+        if kind is SEEDED_OP and self._budget > 0:
+            if self._rng is None:
+                # The region's first random op: a replay draws the same numbers from this state (taken
+                # only where the region draws any, so the usual loss costs no copy of the generators).
+                self._rng = capture_rng_state()
+                self._clean = False
+            if kwargs.get("generator") is not None or _GENERATOR in map(type, args):
+                self._rng = with_user_generator(self._rng, kwargs.get("generator"), args)  # (the user's own)
         try:
             out = call(*args, **kwargs)
         except RuntimeError as error:  # a wrapped number alone (run_op says why); only the failure path pays
@@ -485,3 +489,4 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
 
 
 _new_tuple = tuple.__new__
+_GENERATOR = torch.Generator
