@@ -298,7 +298,10 @@ class OptimizerChecks:
                 self._unchecked[id(opt)] = (opt, step)  # checked at the watch's end if no full check comes first
                 return
             self._unchecked.pop(id(opt), None)
-            carry = watch.timing.carries_step_result(self._bounded, lambda: wild_hyperparameters(opt))
+            # A step after gradients of BOUNDED_GRAD_NORM or more (``_huge``: a square past float32's max) is read now
+            # too, while its gradient is in place: a replay at the next check would apply that step's instead (none
+            # such on a healthy run).
+            carry = watch.timing.carries_step_result(self._bounded, lambda: self._huge or wild_hyperparameters(opt))
             result = self._step_result(opt, step, self._bounded, read_now=not carry)
             if carry:
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
