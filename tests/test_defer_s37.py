@@ -79,3 +79,114 @@ def test_a_huge_gradients_step_is_replayed_with_its_own_gradient_deferred(make: 
     assert (now.phase.value, now.step, now.op) == ("optimizer", 1, "aten.addcmul_.default")
     assert (late.phase.value, late.module, late.step, late.op) == (now.phase.value, now.module, 1, now.op)
     assert late.source is not None and late.source.lineno == line
+
+
+# -- 3. %debug at the loop's last step, whose result the watch's exit judges after the loop's function returned ------
+
+def _last_frame(error: BaseException) -> tuple[object, int]:
+    """The frame ``pdb.pm()`` opens (the traceback's last) and its line."""
+    tb = error.__traceback__
+    assert tb is not None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame, tb.tb_lineno
+
+
+def _aux_adam() -> tuple[nn.ModuleDict, torch.optim.Optimizer, list[torch.Tensor]]:
+    """An aux head whose loss weight is 0 at the last step: its first gradient is exactly 0 and Adam(eps=0)'s first
+    update of it 0 / 0, on any kernel; the step's result is carried to the watch's exit (nothing runs after it)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "aux": nn.Linear(4, 1)})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0, foreach=False)
+    return model, opt, [torch.randn(5, 4) for _ in range(3)]
+
+
+def _train(model: nn.ModuleDict, opt: torch.optim.Optimizer, xs: list[torch.Tensor]) -> None:
+    for step in range(3):
+        h = model["trunk"](xs[step])
+        loss = h.pow(2).mean() + (0.0 * model["aux"](h).mean() if step == 2 else 0.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()  # here: the loop's step
+
+
+def _train_step(model: nn.ModuleDict, opt: torch.optim.Optimizer, x: torch.Tensor, last: bool) -> None:
+    h = model["trunk"](x)
+    scratch = torch.zeros(1000)  # noqa: F841 - a local that the frame held for %debug keeps
+    loss = h.pow(2).mean() + (0.0 * model["aux"](h).mean() if last else 0.0)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()  # here: the helper's step
+
+
+def _line_of(function: object, marker: str) -> int:
+    import inspect
+    lines, first = inspect.getsourcelines(function)  # type: ignore[arg-type]
+    return first + next(index for index, line in enumerate(lines) if marker in line)
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"ops": True, "defer": True}])
+def test_debug_opens_at_the_last_steps_opt_step_in_the_loops_returned_function(options: dict) -> None:
+    """The loop ran in a function that returned before the watch's exit judged its last step: %debug opens in that
+    function at ``opt.step()``, its locals as the loop left them (``step`` 2), not in the caller's ``with`` line."""
+    model, opt, xs = _aux_adam()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        _train(model, opt, xs)
+    report = caught.value.report
+    line = _line_of(_train, "here: the loop's step")
+    assert (report.module, report.phase.value, report.step) == ("aux", "optimizer", 2)
+    assert report.debug_frame is not None and report.debug_frame.lineno == line, report.to_text()
+    frame, lineno = _last_frame(caught.value)
+    assert (frame.f_code.co_name, lineno, frame.f_locals["step"]) == ("_train", line, 2)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}])
+def test_debug_opens_in_the_last_call_of_a_train_step_helper(options: dict) -> None:
+    """A ``train_step(batch)`` helper called once a step: %debug opens in its last call, at its ``opt.step()``,
+    with that call's batch."""
+    model, opt, xs = _aux_adam()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        for step in range(3):
+            _train_step(model, opt, xs[step], last=step == 2)
+    frame, lineno = _last_frame(caught.value)
+    assert (frame.f_code.co_name, lineno) == ("_train_step", _line_of(_train_step, "here: the helper's step"))
+    assert frame.f_locals["x"] is xs[2]  # type: ignore[attr-defined]
+
+
+def test_a_helpers_frame_is_not_kept_into_the_next_step() -> None:
+    """Held for %debug only until the next step opens: a ``train_step`` helper's large local is freed by the next
+    step's forward (unwatched: as the helper returns) and after the watch, on a healthy run."""
+    import gc
+    import weakref
+    alive: list[bool] = []
+    held: list[weakref.ref[torch.Tensor]] = []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    # (eps=0: a step not bounded (step_layout.py), whose result is carried to the next check, with its caller)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+
+    def train_step(x: torch.Tensor) -> None:
+        out = model(x)
+        big = torch.zeros(1 << 20)
+        held.append(weakref.ref(big))
+        loss = out.pow(2).mean() + big.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    class Probe(nn.Module):  # the next step's forward looks at the last step's local
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            alive.append(any(ref() is not None for ref in held))
+            return x
+
+    model.insert(0, Probe())
+    gc.disable()  # (freed by reference counts, as unwatched; not by a collection that happens to run)
+    try:
+        with nan_magic.watch(model, opt, defer=True):
+            for x in xs:
+                train_step(x)
+        assert alive == [False] * 4
+        assert [ref() is None for ref in held] == [True] * 4
+    finally:
+        gc.enable()
