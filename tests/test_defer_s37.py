@@ -190,3 +190,34 @@ def test_a_helpers_frame_is_not_kept_into_the_next_step() -> None:
         assert [ref() is None for ref in held] == [True] * 4
     finally:
         gc.enable()
+
+
+# -- 2. fix verdicts that differ between the timings ----------------------------------------------------------------
+
+def test_the_deferred_verdict_on_the_soft_kmeans_eps_counts_the_loss_code_that_the_immediate_one_never_ran() -> None:
+    """Not a deferred regression (scripts/defer_diff.py lists it as verified_fix True -> False): the clamped
+    denominator makes the outlier's responsibilities 0, and DEC's target ``t / t.sum(-1)`` of that row is 0 / 0, so
+    the step is still non-finite. The immediate watch stops before the step's loss code runs and judges the trial on
+    the model's outputs (its loss not computed, and said so); the deferred check has the loss code and runs it."""
+    case = _ROWS["hunt_s30_soft_kmeans_responsibilities_of_a_far_outlier"]
+    now, late = _report(case), _report(case, defer=True)
+    [before], [after] = now.fixes, late.fixes
+    assert (before.kind, before.finite, before.loss) == ("eps", True, None)
+    assert before.fact("loss_not_computed")
+    assert (after.kind, after.finite, after.failed) == ("eps", False, "loss")
+    assert after.loss is not None and after.loss != after.loss  # NaN
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ops=True with defer=True (a process group's ops mode): SAM's second forward at w + e is judged at opt.step(), "
+    "after the loop restored w; the fix trials' replay of the call from w comes out finite, so no remedy is tried "
+    "('no fix was tried: the failing step, run again on copies as it ran, came out finite'). The default deferred "
+    "watch starts the trials from the parameters as the call read them, the copies its update-code recorder took "
+    "before the loop's first write (LoopWrites.parameters_before); under ops=True the update code runs under the op "
+    "tracer instead of that recorder (LoopWrites holds no UpdateRecorder), so no copy of w + e exists at the check; "
+    "running the recorder's copy-before-write beneath the tracer is the fix, not made in defer-s37"))
+def test_ops_deferred_sam_tries_the_fixes_ops_tries() -> None:
+    case = _ROWS["hunt26_sam_second_forward_log_of_a_scale_pushed_below_0"]
+    now, late = _report(case, ops=True), _report(case, ops=True, defer=True)
+    assert [trial.kind for trial in now.fixes] == ["stable", "eps"]
+    assert [(trial.kind, trial.finite) for trial in late.fixes] == [(trial.kind, trial.finite) for trial in now.fixes]
