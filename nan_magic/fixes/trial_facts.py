@@ -15,6 +15,7 @@ import torch
 from nan_magic.fix_records import AFTER_THE_LOSS
 from nan_magic.fixes.remedies.correction import CorrectionFix
 from nan_magic.fixes.remedies.domain import DomainFix
+from nan_magic.fixes.remedies.every_use import EveryUse
 from nan_magic.fixes.remedies.mask import MaskFix
 from nan_magic.fixes.remedies.precision import Float32
 from nan_magic.fixes.remedies.stable import StableFix
@@ -59,6 +60,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
         if remedy.exponents:
             facts += [("exponents", tuple(sorted(remedy.exponents)))]
+    if isinstance(remedy, EveryUse):  # (its operand clamped at its other uses on the line too)
+        facts += [("every_use", remedy.clamped)]
     if isinstance(remedy, (StableFix, CorrectionFix)):
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, StableFix) and remedy.at_line is not None:  # (the edit fuses the op the trial did)

@@ -22,6 +22,10 @@ _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
 
 def fix_description(trial: FixTrial) -> str:
     """What the remedy changed, in one line."""
+    if trial.fact("every_use"):  # (fixes/remedies/every_use.py: the same tensor clamped at its other uses too)
+        inside = "the division" if trial.fact("function") in ("div", "reciprocal") else f"the {trial.fact('function')}"
+        return (f"{_changed(trial)} at every use of that tensor on the line, as clamping it once where it enters the "
+                f"line does (clamped inside {inside} alone, the step stayed non-finite)")
     if trial.fact("modules") == "every":  # (fixes/step.py, replay_at_line)
         return (f"{_changed(trial)}, at its line in every module that runs it, as an edit of the line does (in the "
                 "producing module alone the step stayed non-finite)")

@@ -187,6 +187,11 @@ class DomainFix:
         #: The exponents, numbers, of the pows it clamped the base of (not the whole powers it left): the edit
         #: clamps a pow whose exponent the line holds in a name only where these are not all written as numbers.
         self.exponents: set[float] = set()
+        #: The calls made at the line so far, and of those it left as they were, each tensor argument (where it is
+        #: given: an index or a keyword) and the operands it clamped: their other uses on the line (every_use.py).
+        self.calls = 0
+        self.unchanged: list[tuple[int, int | str, torch.Tensor]] = []
+        self.operands: list[torch.Tensor] = []
 
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
@@ -213,6 +218,25 @@ class DomainFix:
         return DomainFix(self.function, self.added)
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        ordinal = self.calls
+        self.calls += 1
+        result = self._remedied(func, args, kwargs)
+        if result is None and function_name(func) != "__get__":  # (a property read, ``sigma.shape``: no use)
+            given: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+            self.unchanged += [(ordinal, key, value) for key, value in given if isinstance(value, torch.Tensor)]
+        return result
+
+    def other_uses(self) -> dict[int, tuple[int | str, ...]]:
+        """Where the line used an operand this remedy clamped, in calls it left as they were (``log(sigma)``'s
+        sigma divided by too): ``{the call's ordinal at the line: its arguments}``; the references are let go."""
+        uses: dict[int, tuple[int | str, ...]] = {}
+        for ordinal, key, value in self.unchanged:
+            if any(value is operand for operand in self.operands):
+                uses[ordinal] = (*uses.get(ordinal, ()), key)
+        self.unchanged, self.operands = [], []
+        return uses
+
+    def _remedied(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
         index = self.names.get(name)
         if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
@@ -266,6 +290,7 @@ class DomainFix:
             else:
                 operand.clamp_min_(eps)
             return func(*args, **kwargs)
+        self.operands.append(operand)
         remedied = list(args)
         remedied[index] = moved
         return func(*remedied, **kwargs)
