@@ -5,7 +5,9 @@ heteroscedastic head, ``torch.log(var) + (y - mu) ** 2 / var``): the eps trial c
 division by the same 0 on the line still gave inf, and the user read "eps: ... -> still non-finite (loss)", "0 of 2
 verified" and no edit, though clamping sigma once makes the step finite. Now, where the first trial stays non-finite
 and the line used the clamped tensor again, the step is replayed with it clamped at each of its uses
-(fixes/remedies/every_use.py): verified, said so, and the edit clamps each use.
+(fixes/remedies/every_use.py): verified, said so, and the edit clamps each use. (2) x / 0 in some rows only
+(``(err.mean(0) / y.var(0)).mean()`` with one constant column) read "verified" with no warning, though the clamped
+column's quotient is the numerator times 8e6 and outweighs the rest of the loss: now the verdict says so.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def test_the_gaussian_nll_in_a_helper_gets_sigma_clamped_at_both_uses(mode: str)
                                 "sigma.clamp_min(1.2e-07)) ** 2).mean()")
     text = fixes_text(report)
     assert ": 1 of 2 verified" in text.splitlines()[0], text
+    # the residual of row 5 over eps: finite, but it outweighs the other rows (the honest part, (2))
+    assert "the quotient is up to" in text and "the inf may be hidden, not fixed" in text, text
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -257,3 +261,54 @@ def test_a_line_that_uses_the_operand_once_keeps_its_single_clamp() -> None:
     assert edit_code(trial) == "(-torch.log(p.clamp_min(1.2e-07)).sum()).backward()"
 
 
+# ------------------------------------------------------------------ (2) x / 0 in some rows only
+def nmse_columns() -> tuple[nn.Module, torch.optim.Optimizer, Loop]:
+    """``(err.mean(0) / y.var(0)).mean()``: the targets' 2nd column is constant, its variance exactly 0 (x / 0)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 3), torch.randn(8, 3)
+    y[:, 1] = 0.5
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            err = (model(x) - y) ** 2
+            (err.mean(0) / y.var(0)).mean().backward()
+            opt.step()
+    return model, opt, loop
+
+
+@pytest.mark.parametrize("mode", LOSS_CODE_MODES)
+def test_x_over_zero_in_one_column_reads_verified_but_hidden(mode: str) -> None:
+    report = watched(*nmse_columns(), mode)
+    assert report.op == "aten.div.Tensor" and report.module is None
+    trial = eps_trial(report)
+    assert trial.finite is True and trial.fact("moved_all") is None, fixes_text(report)
+    at, rest = trial.fact("over_eps")
+    assert at > 1e5 and rest < 10, (at, rest)
+    (line,) = [line for line in fixes_text(report).splitlines() if line.lstrip().startswith("eps:")]
+    assert "-> verified: the step came out finite" in line
+    assert "but where the denominator was clamped the quotient is up to" in line
+    assert "a non-zero value over 0 has no eps that fixes it" in line and "the inf may be hidden, not fixed" in line
+    assert edit_code(trial) == "(err.mean(0) / y.var(0).clamp_min(1.2e-07)).mean().backward()"
+
+
+def test_a_zero_over_zero_clamp_is_no_x_over_zero() -> None:
+    """F.normalize-style: a row of zeros over its norm of 0 (0 / eps = 0) outweighs nothing: no warning."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(6, 3)
+    mask = torch.ones(6, 3)
+    mask[4] = 0.0
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            h = model(x) * mask
+            (h / h.abs().sum(1, keepdim=True)).pow(2).sum().backward()
+            opt.step()
+    report = watched(model, opt, loop, "default")
+    trial = eps_trial(report)
+    assert trial.finite is True and trial.fact("over_eps") is None, fixes_text(report)

@@ -382,8 +382,8 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
 
 def _verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
     order = {True: 0, False: 1, None: 2}  # a verified remedy that hid the NaN (moved_all) after the others
-    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all") or
-                                                                            trial.fact("no_gradient")))))
+    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(
+        trial.fact("moved_all") or trial.fact("no_gradient") or trial.fact("over_eps")))))
 
 
 def _data_code_trial(report: Report, site: Site, step: FailingStep, records: RegionRecords) -> FixTrial:

@@ -26,6 +26,10 @@ from nan_magic.records import FixTrial, Report
 __all__ = ["at_producer", "output_change", "remedy_facts", "step_facts"]
 
 
+#: How many times the largest other quotient (or 1) a quotient over a clamped denominator must be to outweigh them.
+_DOMINATES = 1000.0
+
+
 def at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
     """A trial of ``kind`` applied where ``report``'s producer ran."""
     return FixTrial(kind, report.op, report.module, report.source, **outcome)
@@ -62,6 +66,10 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
             facts += [("exponents", tuple(sorted(remedy.exponents)))]
     if isinstance(remedy, EveryUse):  # (its operand clamped at its other uses on the line too)
         facts += [("every_use", remedy.clamped)]
+    if isinstance(remedy, DomainFix) and remedy.quotients is not None and outcome.failed is None and (
+            remedy.quotients[0] > _DOMINATES * max(remedy.quotients[1], 1.0)):
+        # x / 0 clamped (a non-zero numerator over eps): finite, by a quotient of x * 8e6 that outweighs the rest.
+        facts += [("over_eps", remedy.quotients)]
     if isinstance(remedy, (StableFix, CorrectionFix)):
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, StableFix) and remedy.at_line is not None:  # (the edit fuses the op the trial did)

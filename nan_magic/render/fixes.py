@@ -161,6 +161,12 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
+    if trial.fact("over_eps") and not trial.fact("moved_all"):
+        at, rest = trial.fact("over_eps")
+        parts.append(f"but where the denominator was clamped the quotient is up to {fmt(at)} (at most {fmt(rest)} "
+                     f"elsewhere): a non-zero value over 0 has no eps that fixes it, and values that large can "
+                     f"outweigh the rest of the loss and its gradient (the {made} may be hidden, not fixed: look at "
+                     "why the denominator is 0 there)")
     if trial.fact("no_gradient"):
         parts.append(f"but with it no trained parameter gets any gradient on this step (every one 0): finite "
                      f"because nothing flows back (the {made} may be hidden, not fixed: look at why the result does "

@@ -22,7 +22,8 @@ import torch
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
-__all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand"]
+__all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand",
+           "quotient_sizes"]
 
 _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
@@ -150,6 +151,22 @@ def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Te
     return where.to(parameter.device)
 
 
+def quotient_sizes(numerator: Any, denominator: torch.Tensor, moved: torch.Tensor) -> tuple[float, float] | None:
+    """The largest ``|numerator / moved|`` where ``moved`` differs from ``denominator`` (a clamped 0), and the largest
+    finite one elsewhere (0 where there is none); None where nothing was moved or the shapes do not broadcast."""
+    try:
+        with torch.no_grad():
+            quotient = (torch.as_tensor(numerator, device=moved.device) / moved).abs().double()
+            clamped = torch.broadcast_to(moved != denominator, quotient.shape)
+            if not bool(clamped.any()):
+                return None
+            at = quotient[clamped]
+            rest = quotient[~clamped & torch.isfinite(quotient)]
+            return float(at.max()), float(rest.max()) if rest.numel() else 0.0
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
     """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0), up
     to the mean's rounding: within sqrt(eps) of 0 (equal values less their mean, ``x - sum(x) / n``, are 1e-7 at
@@ -192,6 +209,9 @@ class DomainFix:
         self.calls = 0
         self.unchanged: list[tuple[int, int | str, torch.Tensor]] = []
         self.operands: list[torch.Tensor] = []
+        #: The largest size of a quotient where its denominator was clamped, and of the others (finite), where the
+        #: remedy clamped a denominator: x / eps is x * 8e6 in float32, the inf hidden (remedy_facts' ``over_eps``).
+        self.quotients: tuple[float, float] | None = None
 
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
@@ -235,6 +255,18 @@ class DomainFix:
                 uses[ordinal] = (*uses.get(ordinal, ()), key)
         self.unchanged, self.operands = [], []
         return uses
+
+    def note_quotient(self, name: str, args: Sequence[Any], index: int | str, operand: torch.Tensor,
+                      moved: torch.Tensor) -> None:
+        """Count the sizes of the quotient whose denominator, argument ``index`` of the call ``name``, was ``operand``
+        and is ``moved`` (:attr:`quotients`); nothing where the call is no division by it."""
+        if index != FUNCTIONS["div"].get(name, FUNCTIONS["reciprocal"].get(name)):
+            return
+        numerator = args[0] if index == 1 else args[1] if len(args) > 1 else 1.0  # (``2 / x``, ``x.reciprocal()``)
+        sizes = quotient_sizes(numerator, operand, moved)
+        if sizes is not None:
+            old = self.quotients or (0.0, 0.0)
+            self.quotients = (max(old[0], sizes[0]), max(old[1], sizes[1]))
 
     def _remedied(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
@@ -291,6 +323,7 @@ class DomainFix:
                 operand.clamp_min_(eps)
             return func(*args, **kwargs)
         self.operands.append(operand)
+        self.note_quotient(name, args, index, operand, moved)
         remedied = list(args)
         remedied[index] = moved
         return func(*remedied, **kwargs)

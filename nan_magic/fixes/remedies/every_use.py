@@ -59,6 +59,7 @@ class EveryUse(DomainFix):
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 continue
             moved = self._clamp(value)
+            self.note_quotient(function_name(func), given, key, value, moved)
             if isinstance(key, int):
                 given[key] = moved
             else:
