@@ -214,6 +214,40 @@ def test_a_log_variance_of_a_constant_column_divided_by_too(mode: str) -> None:
                                 "var.clamp_min(1.2e-07)).mean()")
 
 
+class VarNll(nn.Module):
+    """The heteroscedastic NLL inside the forward: ``var = h.var(0)`` of a constant column (TwoHeads' h), logged and
+    divided by on one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = TwoHeads()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mu, h = self.heads(x)
+        var = h.var(0)
+        return (torch.log(var) + (y - mu) ** 2 / var).mean()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_log_variance_divided_by_inside_the_forward(mode: str) -> None:
+    torch.manual_seed(0)
+    model = VarNll()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 3), torch.randn(8, 3) + 3.0
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step()
+    report = watched(model, opt, loop, mode)
+    assert report.op == "aten.log.default" and report.module == "", report.op
+    trial = eps_trial(report)
+    assert trial.finite is True and trial.fact("every_use") == 1, fixes_text(report)
+    assert edit_code(trial) == ("return (torch.log(var.clamp_min(1.2e-07)) + (y - mu) ** 2 / "
+                                "var.clamp_min(1.2e-07)).mean()")
+
+
 @pytest.mark.parametrize("mode", LOSS_CODE_MODES)
 def test_the_division_first_then_its_log(mode: str) -> None:
     """The same line with the division first: the division is the producer, the log the other use."""
