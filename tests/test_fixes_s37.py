@@ -346,3 +346,45 @@ def test_a_zero_over_zero_clamp_is_no_x_over_zero() -> None:
     report = watched(model, opt, loop, "default")
     trial = eps_trial(report)
     assert trial.finite is True and trial.fact("over_eps") is None, fixes_text(report)
+
+
+def test_a_clamp_that_also_moves_healthy_values_below_eps_says_so() -> None:
+    """``torch.log(p)`` of a p that is exactly 0 in one column and 1e-9 (a healthy, tiny probability) in another: the
+    clamp to eps makes the step finite, and changes log(1e-9) = -20.7 into log(1.2e-7) = -15.9 too: said."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, scale = torch.randn(4, 3), torch.tensor([0.0, 1e-9, 1.0])
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            p = model(x).sigmoid() * scale
+            (-torch.log(p).mean()).backward()
+            opt.step()
+    report = watched(model, opt, loop, "default")
+    trial = eps_trial(report)
+    assert trial.finite is True and trial.fact("inside") == 4, fixes_text(report)  # (the 1e-9 column's 4 rows)
+    (line,) = [line for line in fixes_text(report).splitlines() if line.lstrip().startswith("eps:")]
+    assert "-> verified: the step came out finite" in line
+    assert ("and it also moved 4 values that were inside the domain already, only nearer its edge than eps: it "
+            "changes those healthy values too") in line
+
+
+def test_a_clamp_of_zeros_alone_moves_no_healthy_value() -> None:
+    """The same log of a p exactly 0 in one column and 0.5 elsewhere: only the zeros move, nothing more is said."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, scale = torch.randn(4, 3), torch.tensor([0.0, 0.5, 1.0])
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            p = model(x).sigmoid() * scale
+            (-torch.log(p).mean()).backward()
+            opt.step()
+    report = watched(model, opt, loop, "default")
+    trial = eps_trial(report)
+    assert trial.finite is True and trial.fact("inside") is None, fixes_text(report)
+    assert "inside the domain already" not in fixes_text(report)

@@ -70,6 +70,9 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
             remedy.quotients[0] > _DOMINATES * max(remedy.quotients[1], 1.0)):
         # x / 0 clamped (a non-zero numerator over eps): finite, by a quotient of x * 8e6 that outweighs the rest.
         facts += [("over_eps", remedy.quotients)]
+    if isinstance(remedy, DomainFix) and remedy.inside and outcome.failed is None:
+        # Values the clamp moved that were in the domain already (below eps, not 0): healthy ones it changes too.
+        facts += [("inside", remedy.inside)]
     if isinstance(remedy, (StableFix, CorrectionFix)):
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, StableFix) and remedy.at_line is not None:  # (the edit fuses the op the trial did)

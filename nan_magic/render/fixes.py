@@ -167,6 +167,10 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
                      f"elsewhere): a non-zero value over 0 has no eps that fixes it, and values that large can "
                      f"outweigh the rest of the loss and its gradient (the {made} may be hidden, not fixed: look at "
                      "why the denominator is 0 there)")
+    if trial.fact("inside"):
+        many = trial.fact("inside") != 1
+        parts.append(f"and it also moved {counted(trial.fact('inside'), 'value')} that {'were' if many else 'was'} "
+                     f"inside the domain already, only nearer its edge than eps: it changes those healthy values too")
     if trial.fact("no_gradient"):
         parts.append(f"but with it no trained parameter gets any gradient on this step (every one 0): finite "
                      f"because nothing flows back (the {made} may be hidden, not fixed: look at why the result does "

@@ -167,6 +167,17 @@ def quotient_sizes(numerator: Any, denominator: torch.Tensor, moved: torch.Tenso
         return None
 
 
+def _inside(function: str, operand: torch.Tensor) -> torch.Tensor:
+    """Where ``operand`` is inside ``function``'s open domain, where it and its derivative are finite: (-1, 1), (0, 1)
+    for logit and ndtri, above -1 for log1p, above 0 for the others (a log, a sqrt, a denominator never negative)."""
+    with torch.no_grad():
+        if function in UNIT_FUNCTIONS:
+            return (operand > 0) & (operand < 1)
+        if function in BOUNDED_FUNCTIONS:
+            return operand.abs() < 1
+        return operand > (-1 if function in SHIFTED_FUNCTIONS else 0)
+
+
 def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
     """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0), up
     to the mean's rounding: within sqrt(eps) of 0 (equal values less their mean, ``x - sum(x) / n``, are 1e-7 at
@@ -212,6 +223,9 @@ class DomainFix:
         #: The largest size of a quotient where its denominator was clamped, and of the others (finite), where the
         #: remedy clamped a denominator: x / eps is x * 8e6 in float32, the inf hidden (remedy_facts' ``over_eps``).
         self.quotients: tuple[float, float] | None = None
+        #: Of the values moved, those that were inside the function's domain, only nearer its edge than eps (a
+        #: probability of 1e-9 under a log): the clamp changes them too, healthy values (remedy_facts' ``inside``).
+        self.inside = 0
 
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
@@ -309,6 +323,8 @@ class DomainFix:
             moved = operand.clamp_min(eps)
         changed = int((moved != operand).sum())
         self.moved += changed
+        if changed:
+            self.inside += int(((moved != operand) & _inside(self.function, operand)).sum())
         self.total += operand.numel()
         if changed == operand.numel() and operand.requires_grad and (leaf := parameter_operand(operand)) is not None:
             self.behind.append(leaf)
