@@ -96,7 +96,7 @@ def test_after_a_kernel_restart_the_dumped_scene_reads_as_the_report_did(hetero:
     assert not [out for cell in after.cells for out in cell.outputs if out.output_type == "error"]
     loaded = cell_text(named_cell(after, "loaded")).splitlines()
     assert loaded[0].startswith("forward None aten.log.default 3 ") and loaded[0].endswith(" 2"), loaded
-    assert loaded[1] == "log-domain [('eps', False), ('stable', None)]"
+    assert loaded[1] == "log-domain [('eps', True), ('stable', None)]"
     shown = report_text(named_cell(after, "shown"))
     headline = "nan_magic: first non-finite value in forward step 3: code outside any watched module, " \
                "op aten.log.default at Cell In[4], line 2 (1 -inf of 40)"
@@ -108,14 +108,12 @@ def test_after_a_kernel_restart_the_dumped_scene_reads_as_the_report_did(hetero:
     assert report_text(named_cell(before, "train")).startswith(headline)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "The Gaussian NLL log(sigma) + 0.5 * ((y - mu) / sigma) ** 2 with sigma exactly 0: the eps trial clamps sigma "
-    "inside log only (fixes/site.py: the producer's function's calls at the line), so the division by the same "
-    "zero sigma on that line still gives inf and the user reads 'eps: ... -> still non-finite (loss)', '0 of 2 "
-    "verified', and no edit; clamping sigma once (sigma.clamp_min(eps), the re-run cell) makes the step finite"))
 def test_the_gaussian_nll_gets_a_verified_clamp_of_sigma(hetero: tuple[Any, Any, Path]) -> None:
     nb, _after, _folder = hetero
-    assert "1 of 2 verified" in report_text(named_cell(nb, "train"))
+    text = report_text(named_cell(nb, "train"))  # (sigma clamped at both its uses on the line: fixes/every_use.py)
+    assert "1 of 2 verified" in text
+    assert "Cell In[4], line 2: return (torch.log(sigma.clamp_min(1.2e-07)) + 0.5 * ((y - mu) / " \
+        "sigma.clamp_min(1.2e-07)) ** 2).mean()" in text, text
 
 
 def test_the_siamese_pair_of_a_photo_and_its_copy_over_two_cells(tmp_path: Path) -> None:

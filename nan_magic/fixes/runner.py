@@ -40,6 +40,7 @@ from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
 from nan_magic.fixes.remedies.diverged import lr_trial
 from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.remedies.every_use import at_every_use
 from nan_magic.fixes.remedies.mask import MASKED, MaskFix
 from nan_magic.fixes.remedies.optimizer_step import redo_step
 from nan_magic.fixes.remedies.precision import Float32, refused_upcast
@@ -381,8 +382,8 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
 
 def _verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
     order = {True: 0, False: 1, None: 2}  # a verified remedy that hid the NaN (moved_all) after the others
-    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all") or
-                                                                            trial.fact("no_gradient")))))
+    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(
+        trial.fact("moved_all") or trial.fact("no_gradient") or trial.fact("over_eps")))))
 
 
 def _data_code_trial(report: Report, site: Site, step: FailingStep, records: RegionRecords) -> FixTrial:
@@ -410,6 +411,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
                   base: StepOutcome) -> FixTrial:
     """A remedy applied at the producer's line (site.py) on a replay of the step."""
     outcome, remedy, every = stable_replay(step, site, remedy)  # (replay_at_line; an exp first as a softplus)
+    if (wider := at_every_use(step, dataclasses.replace(site, module="") if every else site, remedy, outcome)):
+        outcome, remedy = wider  # (the operand clamped at its other uses on the line too: remedies/every_use.py)
     facts = remedy_facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
     if not outcome.applied or declined(remedy):
         untried = declined(remedy) or "it found nothing to change at the producer's line"

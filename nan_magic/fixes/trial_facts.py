@@ -15,6 +15,7 @@ import torch
 from nan_magic.fix_records import AFTER_THE_LOSS
 from nan_magic.fixes.remedies.correction import CorrectionFix
 from nan_magic.fixes.remedies.domain import DomainFix
+from nan_magic.fixes.remedies.every_use import EveryUse
 from nan_magic.fixes.remedies.mask import MaskFix
 from nan_magic.fixes.remedies.precision import Float32
 from nan_magic.fixes.remedies.stable import StableFix
@@ -23,6 +24,10 @@ from nan_magic.fixes.step import FailingStep, StepOutcome, forward_only, held_gr
 from nan_magic.records import FixTrial, Report
 
 __all__ = ["at_producer", "output_change", "remedy_facts", "step_facts"]
+
+
+#: How many times the largest other quotient (or 1) a quotient over a clamped denominator must be to outweigh them.
+_DOMINATES = 1000.0
 
 
 def at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
@@ -59,6 +64,15 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
         facts += [("function", remedy.function), ("eps", remedy.eps), ("dtype", remedy.dtype), ("form", remedy.form)]
         if remedy.exponents:
             facts += [("exponents", tuple(sorted(remedy.exponents)))]
+    if isinstance(remedy, EveryUse):  # (its operand clamped at its other uses on the line too)
+        facts += [("every_use", remedy.clamped)]
+    if isinstance(remedy, DomainFix) and remedy.quotients is not None and outcome.failed is None and (
+            remedy.quotients[0] > _DOMINATES * max(remedy.quotients[1], 1.0)):
+        # x / 0 clamped (a non-zero numerator over eps): finite, by a quotient of x * 8e6 that outweighs the rest.
+        facts += [("over_eps", remedy.quotients)]
+    if isinstance(remedy, DomainFix) and remedy.inside and outcome.failed is None:
+        # Values the clamp moved that were in the domain already (below eps, not 0): healthy ones it changes too.
+        facts += [("inside", remedy.inside)]
     if isinstance(remedy, (StableFix, CorrectionFix)):
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, StableFix) and remedy.at_line is not None:  # (the edit fuses the op the trial did)

@@ -57,8 +57,12 @@ def suggested_edit(trial: FixTrial) -> str | None:
         return None
     unchanged = ast.unparse(tree)
     edit = _Edit(trial, tree)
-    code = ast.unparse(edit.visit(tree))
+    code: str | None = ast.unparse(edit.visit(tree))
     if not edit.done or edit.unsure or code == unchanged:  # (the user's own line is no edit)
+        return None
+    if trial.fact("every_use"):  # (fixes/remedies/every_use.py: the operand clamped at each of its uses)
+        code = _every_use(trial, ast.parse(source.line.strip()), edit.operands)
+    if code is None:
         return None
     regions = trial.fact("autocast") or ()
     if trial.kind == "float32" and regions:
@@ -138,6 +142,7 @@ class _Edit(ast.NodeTransformer):
             for node in ast.walk(tree))
         self.unsure = False
         self.done = False
+        self.operands: set[str] = set()
         #: The calls made to compute in float32: their result needs no ``.float()``.
         self.upcast: set[int] = set()
         numbers = self.trial.fact("numbers") or ()
@@ -157,6 +162,11 @@ class _Edit(ast.NodeTransformer):
         return (self.pows > 1 and not isinstance(exponent, ast.Constant) and bool(clamped)
                 and not set(clamped) <= self.written)
 
+    def _operand(self, node: ast.expr) -> ast.expr:
+        """An operand the eps edit clamps, as written (every_use: each of its uses on the line is clamped)."""
+        self.operands.add(ast.unparse(node))
+        return node
+
     def _mark(self, node: ast.expr) -> ast.expr:
         self.done = True
         return node
@@ -173,12 +183,12 @@ class _Edit(ast.NodeTransformer):
         self.generic_visit(node)
         kind, function = self.trial.kind, self.trial.fact("function")
         if kind == "eps" and function in ("div", "reciprocal") and isinstance(node.op, ast.Div):
-            node.right = _denominator(node.right, self.trial)
+            node.right = _denominator(self._operand(node.right), self.trial)
             return self._mark(node)
         if kind == "eps" and function == "pow" and isinstance(node.op, ast.Pow) and not _whole(
                 node.right, self.trial, self.written):
             self.unsure |= self._undecided(node.right)
-            node.left = _method(node.left, "clamp_min", _eps(self.trial))
+            node.left = _method(self._operand(node.left), "clamp_min", _eps(self.trial))
             return self._mark(node)
         return node
 
@@ -187,7 +197,7 @@ class _Edit(ast.NodeTransformer):
         self.generic_visit(node)
         if (self.trial.kind == "eps" and self.trial.fact("function") == "div"
                 and isinstance(node.op, ast.Div)):
-            node.value = _denominator(node.value, self.trial)
+            node.value = _denominator(self._operand(node.value), self.trial)
             self._mark(node.value)
         return node
 
@@ -203,7 +213,7 @@ class _Edit(ast.NodeTransformer):
                 # torch.div(x, n), or the method x.div(n) and x.div_(n): the denominator is the last positional
                 denominator = 1 if _on_torch(node) else 0
                 if len(node.args) > denominator:
-                    node.args[denominator] = _denominator(node.args[denominator], self.trial)
+                    node.args[denominator] = _denominator(self._operand(node.args[denominator]), self.trial)
                     return self._mark(node)
                 return node
             if function == "pow" and _whole(_exponent(node), self.trial, self.written):
@@ -216,9 +226,9 @@ class _Edit(ast.NodeTransformer):
             # x.pow(0.5): a tensor method with an argument, the exponent; the operand is its receiver, as for x.log().
             if method or (function == "pow" and isinstance(node.func, ast.Attribute) and not _on_torch(node)):
                 assert isinstance(node.func, ast.Attribute)
-                node.func.value = _method(node.func.value, clamp, *_clamp_args(function, self.trial))
+                node.func.value = _method(self._operand(node.func.value), clamp, *_clamp_args(function, self.trial))
             elif node.args:
-                node.args[0] = _method(node.args[0], clamp, *_clamp_args(function, self.trial))
+                node.args[0] = _method(self._operand(node.args[0]), clamp, *_clamp_args(function, self.trial))
             else:
                 return node
             return self._mark(node)
@@ -350,6 +360,39 @@ _OPERATORS = {ast.Add: ("add", "__add__", "__radd__"), ast.Sub: ("sub", "rsub", 
               ast.Mult: ("mul", "__mul__", "__rmul__"), ast.Div: ("div", "__truediv__", "__rtruediv__", "__rdiv__"),
               ast.Pow: ("pow", "__pow__", "__rpow__"), ast.FloorDiv: ("floor_divide", "__floordiv__", "__rfloordiv__"),
               ast.Mod: ("remainder", "__mod__", "__rmod__")}
+
+
+class _EveryUse(ast.NodeTransformer):
+    """Each use of the operand written ``operand`` (a name, or an attribute of one) on the line clamped."""
+
+    def __init__(self, trial: FixTrial, operand: str) -> None:
+        self.trial, self.operand, self.count = trial, operand, 0
+
+    def _use(self, node: ast.Name | ast.Attribute) -> ast.expr:
+        if not isinstance(node.ctx, ast.Load) or ast.unparse(node) != self.operand:
+            return self.generic_visit(node)  # type: ignore[return-value]
+        self.count += 1
+        function = self.trial.fact("function")
+        if function in ("div", "reciprocal"):
+            return _denominator(node, self.trial)
+        return _method(node, "clamp" if function in BOUNDED_FUNCTIONS else "clamp_min",
+                       *_clamp_args(function, self.trial))
+
+    visit_Name = visit_Attribute = _use
+
+
+def _every_use(trial: FixTrial, tree: ast.AST, operands: set[str]) -> str | None:
+    """The line with its one clamped operand clamped at each of its uses; None where the edit clamped another
+    expression (a call: each call of it makes another tensor, which the trial did not clamp) or it is used once."""
+    if len(operands) != 1:
+        return None
+    (operand,) = operands
+    if not all(isinstance(node, (ast.Name, ast.Attribute, ast.Load, ast.Expression))
+               for node in ast.walk(ast.parse(operand, mode="eval"))):
+        return None
+    uses = _EveryUse(trial, operand)
+    code = ast.unparse(uses.visit(tree))
+    return code if uses.count > 1 else None
 
 
 def _power_of_two(value: float) -> str:

@@ -22,6 +22,10 @@ _STARTS = {"ones": " (the backward started from ones into the model's outputs)",
 
 def fix_description(trial: FixTrial) -> str:
     """What the remedy changed, in one line."""
+    if trial.fact("every_use"):  # (fixes/remedies/every_use.py: the same tensor clamped at its other uses too)
+        inside = "the division" if trial.fact("function") in ("div", "reciprocal") else f"the {trial.fact('function')}"
+        return (f"{_changed(trial)} at every use of that tensor on the line, as clamping it once where it enters the "
+                f"line does (clamped inside {inside} alone, the step stayed non-finite)")
     if trial.fact("modules") == "every":  # (fixes/step.py, replay_at_line)
         return (f"{_changed(trial)}, at its line in every module that runs it, as an edit of the line does (in the "
                 "producing module alone the step stayed non-finite)")
@@ -157,6 +161,16 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         what = "row was fully masked" if trial.kind == "mask" else "value of the operand was out of the domain"
         parts.append(f"but every {what} and was replaced: the output no longer depends on it (the {made} is hidden, "
                      "not fixed: look at why every value is there)")
+    if trial.fact("over_eps") and not trial.fact("moved_all"):
+        at, rest = trial.fact("over_eps")
+        parts.append(f"but where the denominator was clamped the quotient is up to {fmt(at)} (at most {fmt(rest)} "
+                     f"elsewhere): a non-zero value over 0 has no eps that fixes it, and values that large can "
+                     f"outweigh the rest of the loss and its gradient (the {made} may be hidden, not fixed: look at "
+                     "why the denominator is 0 there)")
+    if trial.fact("inside"):
+        many = trial.fact("inside") != 1
+        parts.append(f"and it also moved {counted(trial.fact('inside'), 'value')} that {'were' if many else 'was'} "
+                     f"inside the domain already, only nearer its edge than eps: it changes those healthy values too")
     if trial.fact("no_gradient"):
         parts.append(f"but with it no trained parameter gets any gradient on this step (every one 0): finite "
                      f"because nothing flows back (the {made} may be hidden, not fixed: look at why the result does "

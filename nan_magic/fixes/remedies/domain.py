@@ -22,7 +22,8 @@ import torch
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
-__all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand"]
+__all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand",
+           "quotient_sizes"]
 
 _OUT_OF_PLACE: dict[str, dict[str, int]] = {
     "log": {"log": 0, "log2": 0, "log10": 0},
@@ -150,6 +151,33 @@ def behind_mask(parameter: torch.Tensor, where: torch.Tensor | None) -> torch.Te
     return where.to(parameter.device)
 
 
+def quotient_sizes(numerator: Any, denominator: torch.Tensor, moved: torch.Tensor) -> tuple[float, float] | None:
+    """The largest ``|numerator / moved|`` where ``moved`` differs from ``denominator`` (a clamped 0), and the largest
+    finite one elsewhere (0 where there is none); None where nothing was moved or the shapes do not broadcast."""
+    try:
+        with torch.no_grad():
+            quotient = (torch.as_tensor(numerator, device=moved.device) / moved).abs().double()
+            clamped = torch.broadcast_to(moved != denominator, quotient.shape)
+            if not bool(clamped.any()):
+                return None
+            at = quotient[clamped]
+            rest = quotient[~clamped & torch.isfinite(quotient)]
+            return float(at.max()), float(rest.max()) if rest.numel() else 0.0
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _inside(function: str, operand: torch.Tensor) -> torch.Tensor:
+    """Where ``operand`` is inside ``function``'s open domain, where it and its derivative are finite: (-1, 1), (0, 1)
+    for logit and ndtri, above -1 for log1p, above 0 for the others (a log, a sqrt, a denominator never negative)."""
+    with torch.no_grad():
+        if function in UNIT_FUNCTIONS:
+            return (operand > 0) & (operand < 1)
+        if function in BOUNDED_FUNCTIONS:
+            return operand.abs() < 1
+        return operand > (-1 if function in SHIFTED_FUNCTIONS else 0)
+
+
 def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
     """Whether a division's numerator is 0 wherever its divisor is (``(x - mean) / std`` of equal values: 0 / 0), up
     to the mean's rounding: within sqrt(eps) of 0 (equal values less their mean, ``x - sum(x) / n``, are 1e-7 at
@@ -187,6 +215,17 @@ class DomainFix:
         #: The exponents, numbers, of the pows it clamped the base of (not the whole powers it left): the edit
         #: clamps a pow whose exponent the line holds in a name only where these are not all written as numbers.
         self.exponents: set[float] = set()
+        #: The calls made at the line so far, and of those it left as they were, each tensor argument (where it is
+        #: given: an index or a keyword) and the operands it clamped: their other uses on the line (every_use.py).
+        self.calls = 0
+        self.unchanged: list[tuple[int, int | str, torch.Tensor]] = []
+        self.operands: list[torch.Tensor] = []
+        #: The largest size of a quotient where its denominator was clamped, and of the others (finite), where the
+        #: remedy clamped a denominator: x / eps is x * 8e6 in float32, the inf hidden (remedy_facts' ``over_eps``).
+        self.quotients: tuple[float, float] | None = None
+        #: Of the values moved, those that were inside the function's domain, only nearer its edge than eps (a
+        #: probability of 1e-9 under a log): the clamp changes them too, healthy values (remedy_facts' ``inside``).
+        self.inside = 0
 
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
@@ -213,6 +252,37 @@ class DomainFix:
         return DomainFix(self.function, self.added)
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        ordinal = self.calls
+        self.calls += 1
+        result = self._remedied(func, args, kwargs)
+        if result is None and function_name(func) != "__get__":  # (a property read, ``sigma.shape``: no use)
+            given: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+            self.unchanged += [(ordinal, key, value) for key, value in given if isinstance(value, torch.Tensor)]
+        return result
+
+    def other_uses(self) -> dict[int, tuple[int | str, ...]]:
+        """Where the line used an operand this remedy clamped, in calls it left as they were (``log(sigma)``'s
+        sigma divided by too): ``{the call's ordinal at the line: its arguments}``; the references are let go."""
+        uses: dict[int, tuple[int | str, ...]] = {}
+        for ordinal, key, value in self.unchanged:
+            if any(value is operand for operand in self.operands):
+                uses[ordinal] = (*uses.get(ordinal, ()), key)
+        self.unchanged, self.operands = [], []
+        return uses
+
+    def note_quotient(self, name: str, args: Sequence[Any], index: int | str, operand: torch.Tensor,
+                      moved: torch.Tensor) -> None:
+        """Count the sizes of the quotient whose denominator, argument ``index`` of the call ``name``, was ``operand``
+        and is ``moved`` (:attr:`quotients`); nothing where the call is no division by it."""
+        if index != FUNCTIONS["div"].get(name, FUNCTIONS["reciprocal"].get(name)):
+            return
+        numerator = args[0] if index == 1 else args[1] if len(args) > 1 else 1.0  # (``2 / x``, ``x.reciprocal()``)
+        sizes = quotient_sizes(numerator, operand, moved)
+        if sizes is not None:
+            old = self.quotients or (0.0, 0.0)
+            self.quotients = (max(old[0], sizes[0]), max(old[1], sizes[1]))
+
+    def _remedied(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
         index = self.names.get(name)
         if index is None or len(args) <= index or not isinstance(args[index], torch.Tensor):
@@ -253,6 +323,8 @@ class DomainFix:
             moved = operand.clamp_min(eps)
         changed = int((moved != operand).sum())
         self.moved += changed
+        if changed:
+            self.inside += int(((moved != operand) & _inside(self.function, operand)).sum())
         self.total += operand.numel()
         if changed == operand.numel() and operand.requires_grad and (leaf := parameter_operand(operand)) is not None:
             self.behind.append(leaf)
@@ -266,6 +338,8 @@ class DomainFix:
             else:
                 operand.clamp_min_(eps)
             return func(*args, **kwargs)
+        self.operands.append(operand)
+        self.note_quotient(name, args, index, operand, moved)
         remedied = list(args)
         remedied[index] = moved
         return func(*remedied, **kwargs)
