@@ -116,7 +116,11 @@ def test_last_steps_optimizer_event_at_a_cells_top_level_opens_debug_at_the_step
     assert (report.debug_frame.filename, report.debug_frame.lineno) == ("<cell>", 13), report.to_text()
 
 
-@pytest.mark.parametrize("options", TIMINGS)  # (deferred: was a strict xfail until defer-s37)
+@pytest.mark.parametrize("options", [
+    TIMINGS[0], pytest.param({"defer": True}, id="deferred", marks=pytest.mark.xfail(strict=True, reason=(
+        "the function running the loop returned before the watch was left: holding its frame for %debug would "
+        "keep its locals (the batch, the logits) alive into the next step on every step, so the check's exit is "
+        "where %debug opens (tests/test_defer_s27.py's _CARRIED)")))])
 def test_last_steps_optimizer_event_opens_debug_at_the_step(options: dict) -> None:
     report = _report(_adam_last_step, options)
     assert (report.module, report.phase, report.step, report.op) == ("aux", "optimizer", 2, "aten.addcdiv_.default")

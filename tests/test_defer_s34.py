@@ -59,20 +59,15 @@ def test_deferred_report_and_debug_line_are_the_immediate_ones(case: Case, ops: 
 
 
 # ---------------------------------------------------------------- earlier rows scripts/defer_diff.py lists
-_RETURNED = pytest.mark.xfail(strict=True, reason=(
-    "the NaN is born in a forward of the loop's last step (a last batch of one in a no_grad validation forward) or in "
-    "a function that returned before the step's check (a loss lambda): the deferred check reads it at the watch's "
-    "exit or the optimizer's pre-hook, when the frame of that line has returned; %debug opens where the step was "
-    "judged (the report says so in a note, except for the validation forward's, which names no line). Opening the "
-    "line's frame would mean holding the frame of every model call's caller, and its tensors, every healthy step"))
-
-
-# (The last step's optimizer rows open at the step's line deferred too since defer-s37: the carried step result holds
-# the frame that called the step until the next step opens, or the watch's exit judges it.)
+@pytest.mark.xfail(strict=True, reason=(
+    "the NaN is born in the loop's last step (Adam's eps=0 update, a last batch of one in a no_grad validation "
+    "forward) or in a function that returned before the step's check (a loss lambda): the deferred check reads it "
+    "at the watch's exit or the optimizer's pre-hook, when the frame of that line has returned; %debug opens where "
+    "the step was judged (the report says so in a note, except for the validation forward's, which names no "
+    "line). Opening the line's frame would mean holding the loop's frame, and its tensors, every healthy step"))
 @pytest.mark.parametrize("name", [
     "hunt24_aux_head_switched_on_at_the_last_step_adam_eps0", "ops_adam_fp16_eps",
-    pytest.param("hunt16_running_var_as_a_plain_attribute_last_batch_of_one", marks=_RETURNED),
-    pytest.param("holdout_spectral_norm_of_a_zero_init_layer", marks=_RETURNED)])
+    "hunt16_running_var_as_a_plain_attribute_last_batch_of_one", "holdout_spectral_norm_of_a_zero_init_layer"])
 def test_debug_opens_at_the_immediate_line_when_the_line_has_returned_by_the_deferred_check(name: str) -> None:
     case = _named(name)
     now, late = _seen(case, {}), _seen(case, {"defer": True})

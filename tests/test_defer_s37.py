@@ -125,7 +125,17 @@ def _line_of(function: object, marker: str) -> int:
     return first + next(index for index, line in enumerate(lines) if marker in line)
 
 
-@pytest.mark.parametrize("options", [{}, {"defer": True}, {"ops": True, "defer": True}])
+#: The deferred watch holds no user frame past its return (a train_step helper's locals, the batch and the logits,
+#: would outlive it): a step judged at the watch's exit after the loop's function returned opens %debug at the
+#: caller's ``with`` line; the report's line is still the step's (defer-s37 held the frame until the next step
+#: opened, and was taken back: PRODUCT.md keeps no activations alive beyond the step).
+_RETURNED = pytest.mark.xfail(strict=True, reason=(
+    "deferred: the last step's result is judged at the watch's exit, after the function that ran opt.step() "
+    "returned; its frame is not held (its locals would outlive the step), so %debug opens at the caller's line"))
+
+
+@pytest.mark.parametrize("options", [{}, pytest.param({"defer": True}, marks=_RETURNED),
+                                     pytest.param({"ops": True, "defer": True}, marks=_RETURNED)])
 def test_debug_opens_at_the_last_steps_opt_step_in_the_loops_returned_function(options: dict) -> None:
     """The loop ran in a function that returned before the watch's exit judged its last step: %debug opens in that
     function at ``opt.step()``, its locals as the loop left them (``step`` 2), not in the caller's ``with`` line."""
@@ -140,7 +150,7 @@ def test_debug_opens_at_the_last_steps_opt_step_in_the_loops_returned_function(o
     assert (frame.f_code.co_name, lineno, frame.f_locals["step"]) == ("_train", line, 2)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("options", [{}, {"defer": True}])
+@pytest.mark.parametrize("options", [{}, pytest.param({"defer": True}, marks=_RETURNED)])
 def test_debug_opens_in_the_last_call_of_a_train_step_helper(options: dict) -> None:
     """A ``train_step(batch)`` helper called once a step: %debug opens in its last call, at its ``opt.step()``,
     with that call's batch."""
@@ -154,8 +164,8 @@ def test_debug_opens_in_the_last_call_of_a_train_step_helper(options: dict) -> N
 
 
 def test_a_helpers_frame_is_not_kept_into_the_next_step() -> None:
-    """Held for %debug only until the next step opens: a ``train_step`` helper's large local is freed by the next
-    step's forward (unwatched: as the helper returns) and after the watch, on a healthy run."""
+    """No frame of a returned ``train_step`` helper is held: its large local is freed by the next step's forward
+    (unwatched: as the helper returns) and after the watch, on a healthy run."""
     import gc
     import weakref
     alive: list[bool] = []

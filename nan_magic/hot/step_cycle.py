@@ -208,8 +208,6 @@ class StepCycle(CycleExit):
             self.steps_opened += 1
             self.gradients.backward_runs = 0
             self.optimizers.in_step = False
-            if (carried := self.optimizers.carried) is not None:
-                carried.caller_frame = None  # (the last step's caller: returned, or found running at the check)
             if self.origins.tracer is not None:
                 self.origins.tracer.reset(keep=entering)
             self.open = True

@@ -306,14 +306,15 @@ class OptimizerChecks:
             if carry:
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
                 # now, step_layout.py); a replay of an unbounded step then names the line that called it.
-                # (Its frame too, with where it stood: where the watch is left after the function that ran the loop
-                # returned (the loop's last step), %debug opens there at the step's line, with the locals it left.
-                # Held only until the next step opens (StepCycle.forward_started) or the step is judged, so a
-                # train_step helper's locals, the batch and the logits, are not kept into the next step's forward;
-                # a frame still running then is found among the running ones at the check.)
+                # (Its frame too, with where it stood, only where its locals are its module's globals: a cell's or a
+                # script's top level, whose frame has returned when the watch is left; %debug opens there at the
+                # step's line. A function's frame (a train_step helper) would keep its locals, the batch and the
+                # logits, alive into the next step: its frame is looked for among the running ones at the check.)
                 called = None if self._bounded else user_call(sys._getframe(1))
                 if called is not None:
-                    result.caller, result.caller_frame, result.caller_lasti = called
+                    result.caller, frame, result.caller_lasti = called
+                    if frame.f_code.co_name == "<module>":
+                        result.caller_frame = frame
                 # The groups' rates as the step ran (a tensor rate the loop rebinds by the check): map of a C
                 # callable, no Python call a step.
                 result.lrs = list(map(_GROUP_LR, opt.param_groups))

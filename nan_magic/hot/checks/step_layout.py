@@ -66,7 +66,7 @@ class StepResult:
     bounded: bool = False
     #: The deferred check's record of the user's line that called the step: ``(code, line, globals)``.
     caller: tuple[CodeType, int, dict[str, Any]] | None = None
-    #: That line's frame (held until the next step opens: optim.py) and instruction (a carried result, until the check).
+    #: That line's frame (only a module's top level: optim.py) and instruction (a carried result, until the next check).
     caller_frame: FrameType | None = None
     caller_lasti: int = -1
     #: Copies taken before the step of the parameters near their dtype's limit, by id (headroom.py).
