@@ -118,7 +118,7 @@ def _sentinel_target(drop: bool) -> Scenario:
 CASES = [
     Case("cause_s29_diffusion_x0_over_sqrt_alpha_bar_5_7e_31", lambda: _diffusion(0.0),
          Expect("optimizer", "0", "Linear", step=1, op="aten.addcmul_.default", marker="adam", cause="overflow"),
-         note="defer too (defer-s37): a step after gradients of 1e18 or more is read as it ends, its gradient in place"),
+         note="defer too (defer-s37): a step after gradients of 1e18 or more is read as it ends, gradient in place"),
     Case("cause_s29_diffusion_alpha_bar_clamped_healthy", lambda: _diffusion(1e-5), None),
     Case("cause_s29_temperature_annealed_by_1e_6_a_step", lambda: _temperature(0.0),
          Expect("forward", None, step=4, op="aten.div.Tensor", marker="temperature", cause="overflow")),
