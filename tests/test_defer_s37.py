@@ -7,6 +7,9 @@ gradient (the deferred check replayed it with the next step's gradient and named
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
 import torch
 from contract import Case, all_cases
@@ -231,3 +234,56 @@ def test_ops_deferred_sam_tries_the_fixes_ops_tries() -> None:
     now, late = _report(case, ops=True), _report(case, ops=True, defer=True)
     assert [trial.kind for trial in now.fixes] == ["stable", "eps"]
     assert [(trial.kind, trial.finite) for trial in late.fixes] == [(trial.kind, trial.finite) for trial in now.fixes]
+
+
+# -- 4. a fused optimizer under a GradScaler: its gradients arrive scaled ------------------------------------------
+
+@pytest.mark.parametrize("scale", [2.0 ** 60, 2.0 ** 62])
+def test_a_fused_step_under_a_grad_scaler_whose_scale_grew_reads_once_a_step(scale: float,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of defer-s37: a fused optimizer is handed the scale (``opt.grad_scale``) and sees the gradients
+    scaled; an fp32 or bf16 run's scale only grows (nothing overflows to back it off), past 1e18 in a long run, and
+    the rule that reads a step after gradients of 1e18 as it ends read each such healthy step twice (one host sync
+    more a step on CUDA). One read a step, and the run bit-identical to unwatched."""
+    import nan_magic.hot.checks.optim as optim_checks
+    import nan_magic.hot.checks.optim_reports as optim_reports
+    import nan_magic.hot.timing as timing
+    from nan_magic.hot import reads
+    from nan_magic.hot.kept.step_log import StepLog
+
+    count = [0]
+    real_read, real_resolve = reads.read_scalars, StepLog.resolve
+
+    def counting(scalars: Any) -> Any:
+        count[0] += 1
+        return real_read(scalars)
+
+    def resolving(self: StepLog, *args: Any) -> Any:
+        count[0] += 1
+        return real_resolve(self, *args)
+
+    for module in (optim_checks, optim_reports, timing):
+        monkeypatch.setattr(module, "read_scalars", counting)
+    monkeypatch.setattr(StepLog, "resolve", resolving)
+
+    def run(watched: bool) -> tuple[list[int], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10 ** 9)
+        xs, per_step = [torch.randn(32, 8) for _ in range(6)], []
+        with nan_magic.watch(model, opt, defer=True) if watched else contextlib.nullcontext():
+            for x in xs:
+                before = count[0]
+                loss = model(x).pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                per_step.append(count[0] - before)
+        return per_step, [p.detach().clone() for p in model.parameters()]
+
+    reads_a_step, watched = run(True)
+    _unwatched_reads, unwatched = run(False)
+    assert reads_a_step == [1] * 6
+    assert all(torch.equal(a, b) for a, b in zip(watched, unwatched))

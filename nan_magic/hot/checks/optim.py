@@ -4,27 +4,22 @@ Global optimizer step hooks (no need to pass the optimizer): before a step, a no
 applied is reported; after it, a parameter or optimizer state the step made non-finite is reported as phase
 ``optimizer``.
 
-GradScaler rule. With an enabled GradScaler in use, a non-finite gradient
-in backward is first held as *pending*: the scaler may skip the step. A
-scaler is in use when it was passed to ``watch`` or when its ``scale()`` ran
-under the watch (scaler_patch.py: most people never pass it). A
-``scaler.step(opt)`` that made no optimizer step call is a skipped step
-(seen as it returns); so is, for a scaler whose ``step`` was not seen, a
-new step that starts without an optimizer step having run. The pending
-event is then recorded as benign (never raised). The run is not healthy,
-and the watch raises, when the scale keeps collapsing:
-:data:`COLLAPSE_SKIPS` skipped steps in a row (with the default backoff of
-0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients
-overflow). A non-finite unscaled gradient that reaches an optimizer step is
-always a real fault.
+GradScaler rule. With an enabled GradScaler in use, a non-finite gradient in backward is first held as *pending*: the
+scaler may skip the step. A scaler is in use when it was passed to ``watch`` or when its ``scale()`` ran under the
+watch (scaler_patch.py: most people never pass it). A ``scaler.step(opt)`` that made no optimizer step call is a
+skipped step (seen as it returns); so is, for a scaler whose ``step`` was not seen, a new step that starts without an
+optimizer step having run. The pending event is then recorded as benign (never raised). The run is not healthy, and the
+watch raises, when the scale keeps collapsing: :data:`COLLAPSE_SKIPS` skipped steps in a row (with the default backoff
+of 0.5, a 2**15-fold fall), or a scale below 1 (even unscaled gradients overflow). A non-finite unscaled gradient that
+reaches an optimizer step is always a real fault.
 
 Hot gradients. A large CPU gradient's norm is taken as autograd accumulates it (a post-accumulate-grad hook),
 while in cache: two thirds of the time of the same read at the step, on the benchmark MLP's 34 MB. The step
 uses it if the gradient is the same tensor at the same version; one changed since (clipping, ``unscale_``, an
 edit) or accumulated over several backward passes is measured at the step.
 
-A closure that runs the forward and backward inside the step (LBFGS) has
-its gradients judged as its backward returns (:meth:`closure_gradients`).
+A closure that runs the forward and backward inside the step (LBFGS) has its gradients judged as its backward returns
+(:meth:`closure_gradients`).
 
 Bounded steps: a step that cannot make a finite parameter non-finite has its
 parameters checked only every :data:`FULL_CHECK_EVERY` steps (step_layout.py
@@ -298,10 +293,10 @@ class OptimizerChecks:
                 self._unchecked[id(opt)] = (opt, step)  # checked at the watch's end if no full check comes first
                 return
             self._unchecked.pop(id(opt), None)
-            # A step after gradients of BOUNDED_GRAD_NORM or more (``_huge``: a square past float32's max) is read now
-            # too, while its gradient is in place: a replay at the next check would apply that step's instead (none
-            # such on a healthy run).
-            carry = watch.timing.carries_step_result(self._bounded, lambda: self._huge or wild_hyperparameters(opt))
+            # After gradients of 1e18+ (_huge) read now, its gradient in place (a later replay applies the next one's);
+            # not a fused step under a GradScaler (opt.grad_scale set): scaled gradients pass 1e18 on healthy runs.
+            huge = self._huge and getattr(opt, "grad_scale", None) is None
+            carry = watch.timing.carries_step_result(self._bounded, lambda: huge or wild_hyperparameters(opt))
             result = self._step_result(opt, step, self._bounded, read_now=not carry)
             if carry:
                 # Read with the next step's single transfer, not now (a step with wild hyperparameters is read
