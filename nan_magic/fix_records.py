@@ -13,8 +13,8 @@ from typing import Any, Literal, NamedTuple
 
 from nan_magic.locations import SourcePointer
 
-__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "SHIFTED_FUNCTIONS", "UNIT_FUNCTIONS", "FailedAt", "FixSite",
-           "FixTrial", "install_describer", "whole_power"]
+__all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "DOMAIN_USES", "FUNCTIONS", "SHIFTED_FUNCTIONS", "UNIT_FUNCTIONS",
+           "FailedAt", "FixSite", "FixTrial", "install_describer", "whole_power"]
 
 #: Where a replayed step first went non-finite, or that it raised (``FixTrial.error`` says what). ``"next forward"``:
 #: the step was finite, but the updated parameters made the same call's forward non-finite (fixes/step.py).
@@ -30,6 +30,37 @@ UNIT_FUNCTIONS = ("logit", "special_ndtri")
 #: The functions whose domain is (-1, inf), their operand clamped to at least -1 + eps: log1p(u) is -inf at -1 (a
 #: survival log(1 - p) written log1p(-p) of a p that rounded to 1), NaN below.
 SHIFTED_FUNCTIONS = ("log1p",)
+
+
+_OUT_OF_PLACE: dict[str, dict[str, int]] = {
+    "log": {"log": 0, "log2": 0, "log10": 0},
+    "log2": {"log2": 0},
+    "log10": {"log10": 0},
+    "log1p": {"log1p": 0, "special_log1p": 0},  # (torch.special.log1p: aten.log1p too)
+    "sqrt": {"sqrt": 0},
+    "rsqrt": {"rsqrt": 0},
+    "pow": {"pow": 0, "__pow__": 0},
+    "div": {"div": 1, "divide": 1, "true_divide": 1, "__truediv__": 1, "__rtruediv__": 0, "__rdiv__": 0},
+    "reciprocal": {"reciprocal": 0, "__rtruediv__": 0, "__rdiv__": 0},
+    "acos": {"acos": 0, "arccos": 0},
+    "asin": {"asin": 0, "arcsin": 0},
+    "atanh": {"atanh": 0, "arctanh": 0},
+    "logit": {"logit": 0, "special_logit": 0},  # (torch.special.logit: aten.logit too)
+    "erfinv": {"erfinv": 0, "special_erfinv": 0},  # (torch.special.erfinv: aten.erfinv)
+    "special_ndtri": {"special_ndtri": 0, "ndtri": 0},  # (torch.special.ndtri's __name__ is ndtri)
+}
+#: The producer's function -> the torch functions that compute it, and which argument is the operand; the
+#: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).
+FUNCTIONS: dict[str, dict[str, int]] = {
+    function: {**names, **{f"{name}_": index for name, index in names.items() if not name.startswith("__")},
+               **({"__itruediv__": 1, "__idiv__": 1} if function == "div" else {})}
+    for function, names in _OUT_OF_PLACE.items()
+}
+#: The ``(torch call, argument)`` pairs where a 0 (or a value past the bound) is out of the function's domain: the
+#: uses of an operand the eps remedy may clamp (fixes/remedies/every_use.py, render/edits.py); not a comparison, a
+#: ``where``'s condition, ``zeros_like``: a guard the user wrote around the same operand stays as written.
+DOMAIN_USES: frozenset[tuple[str, int]] = frozenset(
+    (name, index) for names in FUNCTIONS.values() for name, index in names.items())
 
 
 def whole_power(exponent: object) -> bool:

@@ -388,3 +388,51 @@ def test_a_clamp_of_zeros_alone_moves_no_healthy_value() -> None:
     trial = eps_trial(report)
     assert trial.finite is True and trial.fact("inside") is None, fixes_text(report)
     assert "inside the domain already" not in fixes_text(report)
+
+
+# ------------------------------------------------------------------ (review) the user's guard around the operand
+class GuardedNll(nn.Module):
+    """A where-guarded NLL inside the forward: rows with sigma == 0 are excluded, yet the backward is NaN (the
+    unselected branch's gradient, log(0)'s and x/0's, times 0)."""
+
+    def __init__(self, guard: str) -> None:
+        super().__init__()
+        self.guard = guard
+        self.mu, self.pre = nn.Linear(3, 1), nn.Linear(3, 1)
+        with torch.no_grad():
+            self.pre.weight.copy_(torch.tensor([[1.0, 0.0, 0.0]]))
+            self.pre.bias.zero_()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mu, sigma = self.mu(x), F.softplus(self.pre(x))  # (softplus(-200) is exactly 0 in float32)
+        if self.guard == "where":
+            return torch.where(sigma > 0, torch.log(sigma) + (y - mu).abs() / sigma, torch.zeros_like(sigma)).mean()
+        return torch.where(sigma.gt(0), torch.log(sigma) + (y - mu).abs() / sigma, sigma.new_zeros(())).mean()
+
+
+@pytest.mark.parametrize("guard", ["where", "where-methods"])
+@pytest.mark.parametrize("mode", ["default", "defer", "ops"])
+def test_the_users_guard_is_never_clamped_away(guard: str, mode: str) -> None:
+    """Review of fixes-s37: the retry clamped sigma at every call it was passed to, the guard ``sigma > 0`` and
+    ``zeros_like(sigma)`` too: the guard let the zero row through, the trial computed 1.8e6 where the user's loss is
+    2.14, and read 'verified' with an edit that clamped the guard. Now only where a 0 is out of the domain (the log,
+    the division): the step's own loss, the guard as written."""
+    torch.manual_seed(0)
+    model = GuardedNll(guard)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.rand(8, 3), torch.full((8, 1), 2.0)
+    x[2, 0] = -200.0
+    users_loss = float(model(x, y))
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step()
+    report = watched(model, opt, loop, mode)
+    trial = eps_trial(report)
+    assert trial.finite is True and trial.loss == pytest.approx(users_loss, rel=1e-5), fixes_text(report)
+    code = edit_code(trial)
+    assert ("sigma > 0" in code and "torch.zeros_like(sigma)" in code) if guard == "where" else (
+        "sigma.gt(0)" in code and "sigma.new_zeros(())" in code), code
+    assert "torch.log(sigma.clamp_min(1.2e-07))" in code and "/ sigma.clamp_min(1.2e-07)" in code, code

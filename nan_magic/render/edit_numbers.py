@@ -1,4 +1,5 @@
-"""What an edited line's expressions hold: numbers written out, arithmetic on them, ``math`` calls (edits.py).
+"""What an edited line's expressions hold: numbers written out, arithmetic on them, ``math`` calls, the places where
+a 0 is out of a call's domain (edits.py).
 
 An edit upcasts or clamps tensors; an expression that can only be a Python number is left as written (``.float()``
 on it raises).
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["literal", "math_call", "may_be_number", "python_number", "value_of"]
+from nan_magic.fix_records import FUNCTIONS
+
+__all__ = ["domain_positions", "literal", "math_call", "may_be_number", "python_number", "value_of"]
 
 
 def value_of(node: ast.AST) -> float | None:
@@ -61,3 +64,29 @@ def literal(node: ast.AST) -> float | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return sign * float(node.value)
     return None
+
+
+#: A torch function's name (``log``, ``div``, ``reciprocal_``) -> which argument is out of its domain at 0.
+_DOMAIN_CALLS = {name: index for names in FUNCTIONS.values() for name, index in names.items() if name[:2] != "__"}
+
+
+def domain_positions(tree: ast.AST) -> set[int]:
+    """The ids of the nodes on the line where a 0 is out of the call's domain, as fix_records.DOMAIN_USES says: a
+    division's divisor (``/ x``, ``/= x``, ``torch.div(n, x)``, ``n.div(x)``), a pow's base, the operand of a log, a
+    root, ``reciprocal`` (``torch.log(x)``, ``x.log()``); not a comparison's, a ``where``'s or ``zeros_like``'s."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            found.add(id(node.right))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            found.add(id(node.left))
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
+            found.add(id(node.value))
+        elif isinstance(node, ast.Call) and (index := _DOMAIN_CALLS.get(
+                node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", ""))) is not None:
+            named = [keyword.value for keyword in node.keywords if keyword.arg == ("input", "other")[index]]
+            # ``x.log()``, ``n.div(x)``: the receiver is argument 0 (``torch.log(x)``, ``torch.div(n, x)``: not).
+            method = isinstance(node.func, ast.Attribute) and len(node.args) == index and not node.keywords
+            arguments = [node.func.value, *node.args] if method and isinstance(node.func, ast.Attribute) else node.args
+            found.update(map(id, [*arguments[index:index + 1], *named]))
+    return found

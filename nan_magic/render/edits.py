@@ -15,6 +15,7 @@ import math
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.locations import name_location
 from nan_magic.records import FixTrial
+from nan_magic.render.edit_numbers import domain_positions
 from nan_magic.render.edit_numbers import math_call as _math_call
 from nan_magic.render.edit_numbers import may_be_number as _may_be_number
 from nan_magic.render.edit_numbers import python_number as _python_number
@@ -142,7 +143,7 @@ class _Edit(ast.NodeTransformer):
             for node in ast.walk(tree))
         self.unsure = False
         self.done = False
-        self.operands: set[str] = set()
+        self.operands: dict[str, bool] = {}  # (as written: whether a name or an attribute of one, not a call)
         #: The calls made to compute in float32: their result needs no ``.float()``.
         self.upcast: set[int] = set()
         numbers = self.trial.fact("numbers") or ()
@@ -164,7 +165,8 @@ class _Edit(ast.NodeTransformer):
 
     def _operand(self, node: ast.expr) -> ast.expr:
         """An operand the eps edit clamps, as written (every_use: each of its uses on the line is clamped)."""
-        self.operands.add(ast.unparse(node))
+        self.operands[ast.unparse(node)] = all(
+            isinstance(part, (ast.Name, ast.Attribute, ast.Load)) for part in ast.walk(node))
         return node
 
     def _mark(self, node: ast.expr) -> ast.expr:
@@ -363,13 +365,14 @@ _OPERATORS = {ast.Add: ("add", "__add__", "__radd__"), ast.Sub: ("sub", "rsub", 
 
 
 class _EveryUse(ast.NodeTransformer):
-    """Each use of the operand written ``operand`` (a name, or an attribute of one) on the line clamped."""
+    """Each use of the operand written ``operand`` (a name, or an attribute of one) on the line clamped where a 0 is
+    out of the call's domain (``positions``), as the trial clamped it: not in the user's guard (``sigma > 0``)."""
 
-    def __init__(self, trial: FixTrial, operand: str) -> None:
-        self.trial, self.operand, self.count = trial, operand, 0
+    def __init__(self, trial: FixTrial, operand: str, positions: set[int]) -> None:
+        self.trial, self.operand, self.positions, self.count = trial, operand, positions, 0
 
     def _use(self, node: ast.Name | ast.Attribute) -> ast.expr:
-        if not isinstance(node.ctx, ast.Load) or ast.unparse(node) != self.operand:
+        if id(node) not in self.positions or not isinstance(node.ctx, ast.Load) or ast.unparse(node) != self.operand:
             return self.generic_visit(node)  # type: ignore[return-value]
         self.count += 1
         function = self.trial.fact("function")
@@ -381,16 +384,13 @@ class _EveryUse(ast.NodeTransformer):
     visit_Name = visit_Attribute = _use
 
 
-def _every_use(trial: FixTrial, tree: ast.AST, operands: set[str]) -> str | None:
+def _every_use(trial: FixTrial, tree: ast.AST, operands: dict[str, bool]) -> str | None:
     """The line with its one clamped operand clamped at each of its uses; None where the edit clamped another
     expression (a call: each call of it makes another tensor, which the trial did not clamp) or it is used once."""
-    if len(operands) != 1:
+    if len(operands) != 1 or not all(operands.values()):
         return None
     (operand,) = operands
-    if not all(isinstance(node, (ast.Name, ast.Attribute, ast.Load, ast.Expression))
-               for node in ast.walk(ast.parse(operand, mode="eval"))):
-        return None
-    uses = _EveryUse(trial, operand)
+    uses = _EveryUse(trial, operand, domain_positions(tree))
     code = ast.unparse(uses.visit(tree))
     return code if uses.count > 1 else None
 

@@ -19,37 +19,11 @@ from typing import Any
 
 import torch
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
 __all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand",
            "quotient_sizes"]
-
-_OUT_OF_PLACE: dict[str, dict[str, int]] = {
-    "log": {"log": 0, "log2": 0, "log10": 0},
-    "log2": {"log2": 0},
-    "log10": {"log10": 0},
-    "log1p": {"log1p": 0, "special_log1p": 0},  # (torch.special.log1p: aten.log1p too)
-    "sqrt": {"sqrt": 0},
-    "rsqrt": {"rsqrt": 0},
-    "pow": {"pow": 0, "__pow__": 0},
-    "div": {"div": 1, "divide": 1, "true_divide": 1, "__truediv__": 1, "__rtruediv__": 0, "__rdiv__": 0},
-    "reciprocal": {"reciprocal": 0, "__rtruediv__": 0, "__rdiv__": 0},
-    "acos": {"acos": 0, "arccos": 0},
-    "asin": {"asin": 0, "arcsin": 0},
-    "atanh": {"atanh": 0, "arctanh": 0},
-    "logit": {"logit": 0, "special_logit": 0},  # (torch.special.logit: aten.logit too)
-    "erfinv": {"erfinv": 0, "special_erfinv": 0},  # (torch.special.erfinv: aten.erfinv)
-    "special_ndtri": {"special_ndtri": 0, "ndtri": 0},  # (torch.special.ndtri's __name__ is ndtri)
-}
-#: The producer's function -> the torch functions that compute it, and which argument is the operand; the
-#: in-place forms too (``x.div_(n)``, ``x /= n``, ``p.log_()``).
-FUNCTIONS: dict[str, dict[str, int]] = {
-    function: {**names, **{f"{name}_": index for name, index in names.items() if not name.startswith("__")},
-               **({"__itruediv__": 1, "__idiv__": 1} if function == "div" else {})}
-    for function, names in _OUT_OF_PLACE.items()
-}
-
 
 def _whole_power(exponent: Any) -> bool:
     """``whole_power`` (fix_records.py) for a tensor exponent too, every element whole and at least 0: its only

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.fix_records import BOUNDED_FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS
+from nan_magic.fix_records import BOUNDED_FUNCTIONS, DOMAIN_USES, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.fixes.loss import LossCode
 from nan_magic.fixes.remedies.domain import DomainFix, denominator_form
 from nan_magic.fixes.site import Site, function_name
@@ -49,7 +49,11 @@ class EveryUse(DomainFix):
         given_keys: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
         keys = (*self.uses.get(self.calls % self.period, ()), *(
             key for key, value in given_keys if any(value is operand for operand in self.operands)))
-        if not keys or function_name(func) == "__get__":  # (a property read, ``sigma.shape``: no use)
+        # Only where a 0 is out of the call's domain (a log, a division by it, a root): not the user's guard around
+        # the same operand (``where(sigma > 0, ..., zeros_like(sigma))``, ``* (sigma > 0)``), which a clamp defeats.
+        name = function_name(func)
+        keys = tuple(key for key in keys if (name, key) in DOMAIN_USES)
+        if not keys:  # (a property read, ``sigma.shape``, is no use either)
             return super().__call__(func, args, kwargs)
         self.calls += 1
         given, named = list(args), dict(kwargs)
@@ -59,7 +63,7 @@ class EveryUse(DomainFix):
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 continue
             moved = self._clamp(value)
-            self.note_quotient(function_name(func), given, key, value, moved)
+            self.note_quotient(name, given, key, value, moved)
             if isinstance(key, int):
                 given[key] = moved
             else:
