@@ -436,3 +436,26 @@ def test_the_users_guard_is_never_clamped_away(guard: str, mode: str) -> None:
     assert ("sigma > 0" in code and "torch.zeros_like(sigma)" in code) if guard == "where" else (
         "sigma.gt(0)" in code and "sigma.new_zeros(())" in code), code
     assert "torch.log(sigma.clamp_min(1.2e-07))" in code and "/ sigma.clamp_min(1.2e-07)" in code, code
+
+
+def test_no_edit_where_the_trial_clamped_a_use_the_name_does_not_show() -> None:
+    """Review of fixes-s37: the trial clamps the tensor (also under an alias ``s = sigma``), the edit the name: it
+    left ``/ s`` as written and gave inf by hand, yet was suggested under 'verified'. No edit then (the trial's
+    verdict stands)."""
+    model, opt, _loop = hetero()
+    x, y = torch.randn(16, 4), torch.randn(16, 1) + 3.0
+
+    def loop() -> None:
+        torch.manual_seed(0)
+        x.copy_(torch.randn(16, 4))
+        x[5] = 0.0
+        for _step in range(2):
+            mu, sigma = model(x)
+            s = sigma
+            loss = (torch.log(sigma) + 0.5 * ((y - mu) / s) ** 2 + 1e-3 / sigma).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    trial = eps_trial(watched(model, opt, loop, "default"))
+    assert trial.finite is True and trial.fact("every_use") == 2, trial
+    assert suggested_edit(trial) is None

@@ -391,8 +391,8 @@ def _every_use(trial: FixTrial, tree: ast.AST, operands: dict[str, bool]) -> str
         return None
     (operand,) = operands
     uses = _EveryUse(trial, operand, domain_positions(tree))
-    code = ast.unparse(uses.visit(tree))
-    return code if uses.count > 1 else None
+    code = ast.unparse(uses.visit(tree))  # (as many uses as the trial clamped: an alias ``s = sigma`` it clamped too)
+    return code if uses.count > 1 and uses.count == 1 + int(trial.fact("every_use") or 0) else None
 
 
 def _power_of_two(value: float) -> str:
