@@ -16,6 +16,7 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
@@ -133,15 +134,18 @@ class OpOrigins:
         info = self._info_by_id(key) if self._info_by_id is not None else None
         return info.name if info is not None else None
 
-    def made_by_recorded_code(self, tensor: torch.Tensor) -> bool:
+    def made_by_recorded_code(self, tensor: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None
+                              ) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.
 
         Such a tensor has a producer there (a ``(adv - adv.mean()) / adv.std()`` in the loss code, on a
-        value detached from a model output): it is not data, even where it needs no gradient.
+        value detached from a model output): it is not data, even where it needs no gradient. ``freed``: the
+        weak reference of a boundary's record whose tensor the deferred check finds gone (a loss that was a
+        temporary, ``loss_fn(out, y).backward()``): the op tracer knows it by that reference.
         """
         if self.tracer is not None:
-            return isinstance(self.tracer.origin_of(tensor), OpFinding)
-        return self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
+            return isinstance(self.tracer.origin_of(tensor, freed), OpFinding)
+        return tensor is not None and self.outside is not None and isinstance(self.outside.claim(tensor), OpFinding)
 
     def made_deliberately_by_recorded_code(self, tensor: torch.Tensor) -> bool:
         """Whether the recorded code made ``tensor``'s non-finite values from a deliberate infinity (a -inf fill):

@@ -218,12 +218,12 @@ class GradientChecks:
         unread = unread_note(watch.log.calls)
         tensor = record.live()
         suspects: list[Note] = []
-        # ops=True: where no traced op made the loss non-finite, what the traced loss code read from outside the trace
-        # counts as the loss code's data, as the recorder's reads do in the tiered modes (a -inf log prior added to
-        # the logits, held in a closure no frame's locals show).
-        traced = self.origins.tracer is not None and tensor is not None and not self.origins.made_by_recorded_code(
-            tensor)
-        if every_output_finite and self._given_to_the_loss(tensor, suspects, unread, traced=traced):
+        # ops=True: where no traced op made the loss non-finite (freed by the deferred check, a temporary, it is known
+        # by its record's reference), what the traced loss code read from outside the trace counts as its data, as the
+        # recorder's reads do in the tiered modes (a -inf log prior added to the logits, in a closure no frame shows).
+        freed = record.ref if tensor is None else None
+        traced = self.origins.tracer is not None and not self.origins.made_by_recorded_code(tensor, freed)
+        if every_output_finite and self._given_to_the_loss(tensor, suspects, unread, traced, freed):
             return
         finding = Finding(
             Phase.FORWARD,
@@ -241,15 +241,15 @@ class GradientChecks:
         self.origins.add_op_origin(finding, tensor, self.loss_key if record is self.loss_record else None)
         watch.on_loss_event(finding, tensor)  # (held where a GradScaler's scale made it: lifecycle/watch_events.py)
 
-    def _given_to_the_loss(
-        self, loss: torch.Tensor | None, suspects: list[Note], unread: Note | None = None, traced: bool = False
-    ) -> bool:
+    def _given_to_the_loss(self, loss: torch.Tensor | None, suspects: list[Note], unread: Note | None = None,
+                           traced: bool = False, freed: weakref.ref[torch.Tensor] | None = None) -> bool:
         """Report non-finite data that entered the loss code (a NaN label) as phase data; whether one did.
 
         Where the loss code ran over the recorder's budget, a non-finite tensor only the user's variables hold
         is added to ``suspects`` as a note, not reported as data: nothing tells whether the loss read it.
         ``unread``: the step's outputs-unread note, said with data the loss code met outside the models.
-        ``traced``: the op tracer's reads of such tensors count too (for a gradient no op explained).
+        ``traced``: the op tracer's reads of such tensors count too (for a gradient no op explained). ``freed``: the
+        loss's record's weak reference, where the loss is gone by the deferred check.
         """
         watch = self.watch
         # What the recorded loss code read comes first, named by its op in either mode; then (deferred, where it
@@ -270,7 +270,7 @@ class GradientChecks:
             self.loss_key, seen)
         # So where the traced code made the loss non-finite from finite values (ops=True: an overflowing exp): no
         # data entered along that path, and a NaN kept from an earlier run in the user's variables is not it.
-        read_all = read_all or (loss is not None and self.origins.made_by_recorded_code(loss))
+        read_all = read_all or self.origins.made_by_recorded_code(loss, freed)
         unrecorded = recorded is None and self._loss_code.unrecorded()
         entered = [
             (label, tensor, line)
@@ -431,7 +431,7 @@ class GradientChecks:
             # missing labels) reaches the gradient through the backward (0 * NaN). That data is the producer, as
             # it is of a non-finite loss.
             loss = loss_record.ref() if loss_record is not None else None
-            if self._given_to_the_loss(loss, [], traced=True):
+            if self._given_to_the_loss(loss, [], None, True, loss_record.ref if loss is None and loss_record else None):
                 return
         watch.on_gradient_event(finding)
 

@@ -247,13 +247,20 @@ class OpTracer(OriginRules, TorchDispatchMode):
         for tensor in tensors:
             self._origins.note(tensor, BENIGN)
 
-    def origin_of(self, tensor: torch.Tensor) -> OpFinding | Literal["benign"] | None:
-        """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside)."""
-        entry = self._origins.entry(tensor)
-        if entry is None:  # (a parameter's gradient reshaped from the sum that made it: the same memory)
+    def origin_of(
+        self, tensor: torch.Tensor | None, freed: weakref.ref[torch.Tensor] | None = None
+    ) -> OpFinding | Literal["benign"] | None:
+        """The op that started ``tensor``'s non-finite values, ``"benign"``, or None (from outside).
+
+        ``freed``: where the tensor is gone by the check (deferred), the weak reference its boundary record holds.
+        """
+        if tensor is None:
+            entry = self._origins.entry_by_ref(freed) if freed is not None else None
+        elif (entry := self._origins.entry(tensor)) is None:
+            # (A parameter's gradient reshaped from the sum that made it: the same memory; or a parameter rebound
+            # to a slice of a vector an op made: vector_to_parameters.)
             entry = self._origins.reshaped_entry(tensor)
-        if entry is None:  # (a parameter rebound to a slice of a vector an op made: vector_to_parameters)
-            entry = self._origins.holding_entry(tensor)
+            entry = self._origins.holding_entry(tensor) if entry is None else entry
         if isinstance(entry, Origin):
             return entry.finding
         return "benign" if entry is not None else None
@@ -267,11 +274,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         The tracer then stops checking until :meth:`reset`, and :attr:`producer_tensors` holds copies of the op's
         output and inputs that are still alive.
         """
-        if tensor is not None:
-            origin = self.origin_of(tensor)
-        else:
-            entry = self._origins.entry_by_ref(freed) if freed is not None else None
-            origin = entry.finding if isinstance(entry, Origin) else "benign" if entry is not None else None
+        origin = self.origin_of(tensor, freed)
         if isinstance(origin, OpFinding) and self.finding is None:
             with self._lock:
                 self.finding = origin
