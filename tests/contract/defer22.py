@@ -379,7 +379,7 @@ CASES = [
     Case("defer22_batch_normalised_in_the_loop_healthy", lambda: _normalised_in_loop(1e-6), None),
     # As gaps16's clip by hand: the gradient of the first parameter written, 1 / 0 its op.
     Case("defer22_hand_clip_by_a_norm_of_0", lambda: _hand_clip(0.0),
-         Expect("backward", "0", step=2, op="aten.reciprocal.default", marker="hand clip",
+         Expect("backward", None, step=2, op="aten.reciprocal.default", marker="hand clip",
                 tensor=TensorRef(TensorRole.PARAMETER_GRADIENT, "0.weight", ""))),
     Case("defer22_hand_clip_with_eps_healthy", lambda: _hand_clip(1e-6), None),
     # The op, its line and cause: the first loss's code replayed (defer named none before GradientChecks.judge took

@@ -393,11 +393,12 @@ def _ewc(eps: float) -> Scenario:
 
 
 _NAN_CONFIG = '{"lr": 0.05, "weight_decay": NaN, "clip": NaN}'
-_CLIP = Expect("backward", "0", "Linear", step=0, op="aten._foreach_clamp_min_.Scalar", marker="config clip",
-               cause="nonfinite-number")
+_CLIP = Expect("backward", None, step=0, op="aten._foreach_clamp_min_.Scalar", marker="config clip",
+               tensor=TensorRef.gradient("0.weight"), cause="nonfinite-number")
 #: Known misses, each a strict xfail (what decides it, and why it is not fixed yet).
 CLIP_VALUE_GAP = (
-    "default/defer/full name the gradient (phase, module, step) but no op or line: clip_grad_value_ runs in a "
+    "default/defer/full name the gradient (phase, step) but no op or line, and the gradient's owner (module 0) as "
+    "its producer, not the loop's code: clip_grad_value_ runs in a "
     "library frame, so the update region's ring (localize/outside/update_recorder.py, _keep_written) neither copies "
     "the gradients its _foreach_clamp_min_ overwrites nor keeps a user line for it (frame None); RegionRecords.claim "
     "(region_records.py) then has no finite value to replay the NaN clip value on, and the backward replay's finite "

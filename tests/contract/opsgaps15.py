@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from contract import Case, Expect, Scenario
+from nan_magic.records import TensorRef
 
 
 class RatioLoss(torch.autograd.Function):
@@ -293,7 +294,8 @@ CASES += [
     Case("opsgaps15_update_code_normalises_gradients", _update_code_normalises_gradients,
          # (the user's in-place write of a gradient is copied first, and the update region's records are held for
          # the step's gradient check, which claims the gradient in them: update_recorder.py, loop_writes.py)
-         Expect("backward", "0", step=2, op="aten.div_.Tensor", marker="update normalise")),
+         Expect("backward", None, step=2, op="aten.div_.Tensor", marker="update normalise",
+                tensor=TensorRef.gradient("0.weight"))),
 ]
 
 

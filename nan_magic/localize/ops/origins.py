@@ -4,11 +4,10 @@ An :class:`OpFinding` is what the tracer (:mod:`nan_magic.localize.ops.tracer`) 
 non-finite value from finite or benign inputs, with its line, its inputs' statistics and its scalar arguments. Every
 non-finite tensor the tracer sees is noted in an :class:`Origins` table with where its values began: an op
 (:class:`Origin`, holding that op's finding), a deliberate infinity (:data:`BENIGN`: a mask, an infinite fill, or what
-carries one on), or nothing (it came from outside the trace). A tensor is known by its identity and version counter,
-and a forward value that autograd saved for backward, which then reaches a backward op as a new Python object on the
-same memory, is known by that memory while its storage lives. An inference tensor (made under
-``torch.inference_mode()``) has no version counter: it is known by its identity alone, and an op that writes it in
-place notes it again.
+carries one on), or nothing (it came from outside the trace). A tensor is known by its identity and version counter, and
+a forward value that autograd saved for backward, which then reaches a backward op as a new Python object on the same
+memory, is known by that memory while its storage lives. An inference tensor (made under ``torch.inference_mode()``) has
+no version counter: it is known by its identity alone, and an op that writes it in place notes it again.
 """
 
 from __future__ import annotations
@@ -431,11 +430,12 @@ def apply_op_finding(
         if finding.module is not None and finding.module != op.module:
             finding.module_type = None  # (named again from the name: op_origins._name_type_and_model)
         finding.module = op.module
-    elif (op.phase == Phase.BACKWARD and op.module is None and op.forward_source is not None and not op.backward_code
-          and finding.tensor.role in (TensorRole.PARAMETER_GRADIENT, TensorRole.OUTPUT_GRADIENT)):
-        # A gradient formula whose node the code outside every module made (a WGAN-GP penalty's sqrt of the
-        # input gradient, differentiated again): that code is the producer, not the parameter's owner, nor the
-        # module whose input gradient showed the value first (the double backward reaches it through its graph).
+    elif op.module is None and not op.backward_code and (finding.tensor.role is TensorRole.PARAMETER_GRADIENT or (
+            op.phase == Phase.BACKWARD and finding.tensor.role is TensorRole.OUTPUT_GRADIENT)) and (
+            op.phase != Phase.BACKWARD or op.forward_source is not None):
+        # A gradient formula whose node the code outside every module made (a WGAN-GP penalty's sqrt of the input
+        # gradient, differentiated again; the double backward reaches the module whose input gradient showed it), or
+        # the loop's update code after backward (``p.grad /= p.grad.norm()``): the producer, not the gradient's owner.
         finding.module, finding.module_type = None, None
     if op.inner_source is not None and (op.phase != Phase.BACKWARD or op.backward_code):
         # Where inside the library the op ran; for the autograd engine's own backward that is only whatever
