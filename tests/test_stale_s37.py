@@ -131,11 +131,12 @@ def test_a_nan_label_built_before_the_watch_and_read_by_the_loop_is_still_the_da
 
 @pytest.mark.parametrize("options", MODES)
 def test_a_nan_the_caller_holds_that_the_loop_reads_is_the_data(options) -> None:
-    # The same tensor as the first test's, held by the caller, but the loop reads it this time: then it is named.
+    # The same tensor as the first test's, held by the caller, but the loop reads it this time: then it is named,
+    # as the loss line that read it names it (``given``; the caller's ``old`` is an outer frame's name).
     old = earlier_run()
     error = read_by_the_loss(options, old)
     report = error.report
-    assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 0, "old")
+    assert (report.phase, report.module, report.step, str(report.tensor)) == ("data", None, 0, "given")
 
 
 def read_by_the_loss(options: dict[str, Any], given: torch.Tensor) -> NonFiniteError:
@@ -207,3 +208,26 @@ def test_the_magic_with_ops_and_defer_names_the_division_not_a_loss_left_in_the_
         assert not ip.user_ns["loss"].isfinite()
     finally:
         ip.run_line_magic("nanwatch", "off")
+
+
+def _train_with_labels(labels: torch.Tensor, options: dict[str, Any]) -> Any:
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **options):
+        out = model(x)
+        opt.zero_grad()
+        ((out - labels) ** 2).mean().backward()
+        opt.step()
+    return caught.value.report
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_a_label_held_by_two_frames_is_named_as_the_loss_codes_frame_names_it(options: dict[str, Any]) -> None:
+    """Review of stale-s37: a NaN label the caller holds as ``y_all`` and the loss code's frame as ``labels`` was
+    named ``y_all`` (the outermost frame's name overwrote the innermost's), though the line the user reads says
+    ``labels``."""
+    y_all = torch.randn(4, 8)
+    y_all[1, 2] = float("nan")
+    report = _train_with_labels(y_all, options)
+    assert str(report.tensor) == "labels", str(report.tensor)
