@@ -76,9 +76,9 @@ def entering_tensors(
     by the forward op that made the node, with its line. Each comes with the line that read it, where known.
     """
     bad_locals: dict[int, tuple[TensorRef, torch.Tensor, None]] = {}
-    for name, tensor in _user_locals():  # (innermost first: the name the loss code's own frame gives it wins)
-        if _is_bad_data(tensor):
-            bad_locals.setdefault(id(tensor), (TensorRef.argument(name), tensor, None))
+    for local, value in _user_locals():  # (innermost first: the name the loss code's own frame gives it wins)
+        if _is_bad_data(value):
+            bad_locals.setdefault(id(value), (TensorRef.argument(local), value, None))
     # What the loss code saved is known to have been read by it: those come
     # first, named by the user's variable where one holds the same tensor.
     found: dict[int, Entered] = {}
