@@ -19,6 +19,7 @@ from nan_magic.plain import from_plain
 from nan_magic.render.words.counted import counted, human_size
 from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.render.words.optimizer_replay_words import debug_later_step, optimizer_replay_finite, optimizer_replayed
+from nan_magic.render.words.replay_words import STEP_REPLAY_TEMPLATES
 from nan_magic.tensor_refs import TensorRef
 
 __all__ = ["debugger_command", "note_text"]
@@ -130,22 +131,7 @@ _TEMPLATES: dict[str, str] = {
     "cannot-replay": "cannot replay {module}: {reason}",
     "backward-replay-raised": "replay of {module} with gradients raised {error}; the op is unknown",
     "backward-replay-finite": "replay of {module} with gradients stayed finite; the op is unknown",
-    "step-replayed": "named by replaying step {step}'s model call under per-module and op-level checks; the replay "
-                     "saw the same event",
-    "not-reproduced": "the replay of this step did not reproduce the event ({reason}); this is what the step's "
-                      "boundary check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer",
-    "not-reproduced-inputs": "the replay of this step did not reproduce the event ({reason}); this is what the "
-                             "step's boundary check saw: a replay starts from the values the write left, so watch "
-                             "with ops=True (%%nantrace --ops), whose tracer sees the write as it runs",
-    "not-reproduced-generator": "the replay of this step did not reproduce the event ({reason}); this is what the "
-                                "step's boundary check saw: watch with ops=True (%%nantrace --ops), whose tracer "
-                                "sees each op as it runs",
-    "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
-                             "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
-    "step-replay-finite": "the replay stayed finite",
-    "generator-not-kept": "the forward drew from a torch.Generator whose state at the call was not kept (a global "
-                          "or a closure's generator, or one passed by keyword), so the replay drew other numbers; "
-                          "its state is kept from the model's next call on",
+    **STEP_REPLAY_TEMPLATES,
     "fused-apart": "{fused}, PyTorch's fused kernel for the whole layer (its inference fast path), made the value; a "
                    "replay with that fast path off (torch.backends.mha.set_fastpath_enabled(False)) made it again "
                    "and names the op inside the layer",

@@ -1,4 +1,5 @@
-"""What a replay of a scene's producer found, in one line (``%nanreplay`` prints it).
+"""What a replay of a scene's producer found, in one line (``%nanreplay`` prints it); the words of the notes a
+tiered replay of the failing step leaves (note_words.py holds every other note's).
 
 A replay returns data (``ReplayResult``: the producer op it found, or a note
 saying why none); the line is written here. The op is read through a
@@ -13,7 +14,27 @@ from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.render.words.causes.phrases import counts_phrase
 
-__all__ = ["replay_line"]
+__all__ = ["STEP_REPLAY_TEMPLATES", "replay_line"]
+
+#: The notes of the tiered watch's replay of the failing step (localize/replay/tiered/step.py), by kind.
+STEP_REPLAY_TEMPLATES: dict[str, str] = {
+    "step-replayed": "named by replaying step {step}'s model call under per-module and op-level checks; the replay "
+                     "saw the same event",
+    "not-reproduced": "the replay of this step did not reproduce the event ({reason}); this is what the step's "
+                      "boundary check saw: re-run with mode=\"full\" (%%nantrace --full) to find the producer",
+    "not-reproduced-inputs": "the replay of this step did not reproduce the event ({reason}); this is what the "
+                             "step's boundary check saw: a replay starts from the values the write left, so watch "
+                             "with ops=True (%%nantrace --ops), whose tracer sees the write as it runs",
+    "not-reproduced-generator": "the replay of this step did not reproduce the event ({reason}); this is what the "
+                                "step's boundary check saw: watch with ops=True (%%nantrace --ops), whose tracer "
+                                "sees each op as it runs",
+    "not-reproduced-unseen": "the replay of this step did not make it again ({reason}), and no check saw it: watch "
+                             "with ops=True (%%nantrace --ops), whose tracer sees each op as it runs",
+    "step-replay-finite": "the replay stayed finite",
+    "generator-not-kept": "the forward drew from a torch.Generator whose state at the call was not kept (a global "
+                          "or a closure's generator, or one passed by keyword), so the replay drew other numbers; "
+                          "its state is kept from the model's next call on",
+}
 
 
 class FoundOp(Protocol):
