@@ -44,6 +44,18 @@ def watched(model: nn.Module, opt: torch.optim.Optimizer, loop: Loop, mode: str)
     raise AssertionError(f"{mode}: no event")
 
 
+def forward_loss_report(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> Report:
+    """The report of two Adam steps of a model whose forward returns the loss (``model(x, y)``)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def loop() -> None:
+        for _step in range(2):
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step()
+    return watched(model, opt, loop, mode)
+
+
 def eps_trial(report: Report) -> FixTrial:
     (trial,) = [trial for trial in report.fixes if trial.kind == "eps"]
     return trial
@@ -147,16 +159,9 @@ class NllHead(nn.Module):
 def test_a_gaussian_nll_in_the_forward_of_an_underflowed_softplus(mode: str) -> None:
     torch.manual_seed(0)
     model = NllHead()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.rand(8, 3), torch.full((8, 1), 2.0)
     x[2, 0] = -200.0  # softplus(-200) is exp(-200) = 0 in float32: exactly, on any kernel
-
-    def loop() -> None:
-        for _step in range(2):
-            opt.zero_grad()
-            model(x, y).backward()
-            opt.step()
-    report = watched(model, opt, loop, mode)
+    report = forward_loss_report(model, x, y, mode)
     assert report.op == "aten.log.default" and report.module == "", report.op
     trial = eps_trial(report)
     assert trial.finite is True and trial.fact("every_use") == 1, fixes_text(report)
@@ -232,15 +237,8 @@ class VarNll(nn.Module):
 def test_a_log_variance_divided_by_inside_the_forward(mode: str) -> None:
     torch.manual_seed(0)
     model = VarNll()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(8, 3), torch.randn(8, 3) + 3.0
-
-    def loop() -> None:
-        for _step in range(2):
-            opt.zero_grad()
-            model(x, y).backward()
-            opt.step()
-    report = watched(model, opt, loop, mode)
+    report = forward_loss_report(model, x, y, mode)
     assert report.op == "aten.log.default" and report.module == "", report.op
     trial = eps_trial(report)
     assert trial.finite is True and trial.fact("every_use") == 1, fixes_text(report)
@@ -419,17 +417,10 @@ def test_the_users_guard_is_never_clamped_away(guard: str, mode: str) -> None:
     the division): the step's own loss, the guard as written."""
     torch.manual_seed(0)
     model = GuardedNll(guard)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.rand(8, 3), torch.full((8, 1), 2.0)
     x[2, 0] = -200.0
     users_loss = float(model(x, y))
-
-    def loop() -> None:
-        for _step in range(2):
-            opt.zero_grad()
-            model(x, y).backward()
-            opt.step()
-    report = watched(model, opt, loop, mode)
+    report = forward_loss_report(model, x, y, mode)
     trial = eps_trial(report)
     assert trial.finite is True and trial.loss == pytest.approx(users_loss, rel=1e-5), fixes_text(report)
     code = edit_code(trial)
