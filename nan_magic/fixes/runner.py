@@ -32,6 +32,7 @@ from torch import nn
 from nan_magic.distributed.ranks import is_sharded, process_group
 from nan_magic.explain.evidence import HALF as HALF_NAMES
 from nan_magic.explain.evidence import node_function
+from nan_magic.fix_records import FUNCTIONS
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
 from nan_magic.fixes.no_remedy import none_fit
@@ -39,7 +40,7 @@ from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, tr
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
 from nan_magic.fixes.remedies.diverged import lr_trial
-from nan_magic.fixes.remedies.domain import FUNCTIONS, DomainFix
+from nan_magic.fixes.remedies.domain import DomainFix
 from nan_magic.fixes.remedies.every_use import at_every_use
 from nan_magic.fixes.remedies.mask import MASKED, MaskFix
 from nan_magic.fixes.remedies.optimizer_step import redo_step

@@ -22,8 +22,8 @@ import torch
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
-__all__ = ["FUNCTIONS", "Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand",
-           "quotient_sizes"]
+__all__ = ["Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand", "quotient_sizes"]
+
 
 def _whole_power(exponent: Any) -> bool:
     """``whole_power`` (fix_records.py) for a tensor exponent too, every element whole and at least 0: its only
