@@ -208,3 +208,49 @@ def test_the_healthy_twin_stays_silent_and_bit_identical(spelling: str) -> None:
     twin_loop()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
+
+# ------------------------------------------------------------------ the loop's update code (between backward and step)
+#: What the report says of a division in the update code: no trial runs it, and the eps is named as not verified.
+UPDATE_NOTE = ("no fix was tried: the producer ({op}) ran in the loop's code between backward() and the step, which "
+               "the trials do not run again (they replay the step's forward, loss and backward only); an eps in its "
+               "divisor at that line (norm.clamp_min(eps), or norm + eps) is the likely remedy, not verified")
+
+
+def _lars(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad /= p.grad.norm()  # (a gradient of zeros: 0 / 0)
+
+
+def _clip_by_hand(model: nn.Module) -> None:
+    total = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
+    for p in model.parameters():
+        p.grad *= 1.0 / total  # (a total norm of 0: 1 / 0, then 0 * inf)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("update", "op", "line"), [
+    pytest.param(_lars, "aten.div_.Tensor", "p.grad /= p.grad.norm()", id="lars"),
+    pytest.param(_clip_by_hand, "aten.reciprocal.default", "p.grad *= 1.0 / total", id="clip-by-hand"),
+])
+def test_update_code_says_no_trial_runs_it_and_names_the_eps_unverified(update: Callable[[nn.Module], None],
+                                                                         op: str, line: str, mode: str) -> None:
+    """Was: default, defer and full said "the failing step, run again on copies as it ran, came out finite" (the
+    replay never runs the update code, so of course it did), ops and ops-defer "the producer ran in the loss code"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [torch.randn(6, 4) for _ in range(4)]
+
+    def loop() -> None:
+        for step, x in enumerate(xs):
+            opt.zero_grad()
+            (model(x).pow(2).mean() * (0.0 if step == 2 else 1.0)).backward()  # (step 2: every gradient 0)
+            update(model)
+            opt.step()
+    report = watched(model, opt, loop, mode)
+    assert (report.module, report.step, report.op) == (None, 2, op), (report.module, report.step, report.op)
+    assert report.source is not None and report.source.line.strip().startswith(line), report.source
+    assert report.fixes == ()
+    notes = [note.text for note in report.note_facts if note.kind.startswith("fixes-")]
+    assert notes == [UPDATE_NOTE.format(op=op)], notes
+    assert UPDATE_NOTE.format(op=op) in report.to_text()
