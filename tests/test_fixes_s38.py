@@ -254,3 +254,21 @@ def test_update_code_says_no_trial_runs_it_and_names_the_eps_unverified(update: 
     notes = [note.text for note in report.note_facts if note.kind.startswith("fixes-")]
     assert notes == [UPDATE_NOTE.format(op=op)], notes
     assert UPDATE_NOTE.format(op=op) in report.to_text()
+
+
+# ------------------------------------------------------------------ a loss-code producer under ops=True
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_loss_code_producer_under_ops_says_where_its_trials_run(mode: str) -> None:
+    """ops=True keeps no record of the loss code (its op tracer names the op as it runs; the default watch's recorder
+    is off), so no trial can run it again: the report says so, and that the watch without ops=True tries them."""
+    report = watched(*columns("div"), mode)
+    assert (report.op, report.module) == ("aten.div.Tensor", None)
+    if not mode.startswith("ops"):
+        assert eps_trial(report).finite is True, fixes_text(report)
+        return
+    assert report.fixes == ()
+    (note,) = [note.text for note in report.note_facts if note.kind.startswith("fixes-")]
+    assert note.startswith("no fix was tried: the producer ran in the loss code, which the trials could not run "
+                           "again: ops mode traces the loss code as it runs"), note
+    assert note.endswith("(the same watch without ops=True records it, and tries the remedies on a replay of the "
+                         "step)"), note
