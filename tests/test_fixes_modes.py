@@ -35,7 +35,8 @@ NO_OP = ("no fix was tried: the remedies fit the producer's op, which was not na
          "(%%nantrace --ops) for the op and line")
 
 #: Why a trial cannot run the loss code again under ops=True (fixes/loss.py).
-OPS_LOSS = "ops mode traces the loss code as it runs, and keeps no record of it to run again"
+OPS_LOSS = ("ops mode traces the loss code as it runs, and keeps no record of it to run again (the same watch without "
+            "ops=True records it, and tries the remedies on a replay of the step)")
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -135,7 +135,8 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
     """
     recorder = source.recorder
     if recorder is None:
-        return "ops mode traces the loss code as it runs, and keeps no record of it to run again"
+        return ("ops mode traces the loss code as it runs, and keeps no record of it to run again (the same watch "
+                "without ops=True records it, and tries the remedies on a replay of the step)")
     if "loss" in recorder.untraced:
         return "the loss code ran more ops a step than the watch records"
     last = before_loss and not source.judged_at_check

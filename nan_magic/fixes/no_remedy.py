@@ -12,9 +12,10 @@ why: the note says which part of the table did not fit.
 
 from __future__ import annotations
 
-from nan_magic.records import Note, Phase, Report
+from nan_magic.records import Note, Phase, Report, TensorRole
+from nan_magic.tensor_refs import op_function
 
-__all__ = ["REMEDIED", "none_fit"]
+__all__ = ["REMEDIED", "in_update_code", "none_fit", "update_code_note"]
 
 #: The causes whose remedy is one a trial can make (issue 28's table): their events say why none was tried.
 REMEDIED = frozenset({"division-by-zero", "log-domain", "sqrt-domain", "pow-domain", "exp-overflow",
@@ -38,3 +39,19 @@ def none_fit(report: Report) -> Note | None:
     if report.phase == Phase.DATA:
         return Note("fixes-batch-outside")
     return Note.of("fixes-none-fit", op=report.op or "not named")
+
+
+def in_update_code(report: Report) -> bool:
+    """Whether the producer ran in the loop's code between ``backward()`` and the optimizer step (LARS's ``p.grad /=
+    p.grad.norm()``, a clip by hand ``p.grad *= max_norm / total``): an op outside every module, no gradient formula
+    (no autograd node), that wrote a parameter's gradient (localize/ops/origins.py's ``apply_op_finding``)."""
+    return (report.phase == Phase.BACKWARD and report.module is None and report.autograd_node is None
+            and report.op is not None and report.tensor.role is TensorRole.PARAMETER_GRADIENT)
+
+
+def update_code_note(report: Report) -> Note:
+    """Why no remedy was tried at a producer in the loop's update code (:func:`in_update_code`): the trials replay the
+    step's forward, loss and backward, never the code after it; a division's eps is named, as not verified."""
+    if op_function(report.op) in ("div", "reciprocal", "rsqrt"):
+        return Note.of("fixes-update-divisor", op=report.op or "not named")
+    return Note.of("fixes-update-code", op=report.op or "not named")

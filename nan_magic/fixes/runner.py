@@ -35,7 +35,7 @@ from nan_magic.explain.evidence import node_function
 from nan_magic.fix_records import FUNCTIONS
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
-from nan_magic.fixes.no_remedy import none_fit
+from nan_magic.fixes.no_remedy import in_update_code, none_fit, update_code_note
 from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, trained_argument, without_bad_samples
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
@@ -146,9 +146,10 @@ def untried(seen: Report, replayed: tuple[Report, Any] | None, frame: Any, kept:
     if report.phase == Phase.OPTIMIZER:
         report = _trying(report, functools.partial(_aside, kept.aside, functools.partial(
             _optimizer_fixes, report, list(optimizers), list(roots), last_good)), stops)
-    elif kept.replays is None:
-        report = dataclasses.replace(report, note_facts=(*report.note_facts, Note("fixes-traced" if kept.traced
-                                                                                  else "fixes-per-call")))
+    elif kept.replays is None or in_update_code(report):
+        note = update_code_note(report) if in_update_code(report) else Note("fixes-traced" if kept.traced
+                                                                            else "fixes-per-call")
+        report = dataclasses.replace(report, note_facts=(*report.note_facts, note))
     else:
         report = _trying(report, functools.partial(kept_fixes, report, kept, optimizers, roots, last_good), stops)
     return report, ((frame, None) if replayed is None else replayed[1])
@@ -216,6 +217,8 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     """
     if report.phase == Phase.OPTIMIZER:
         return _optimizer_fixes(report, optimizers, roots, last_good)
+    if in_update_code(report):  # (the replayed step never runs the code between backward() and the step)
+        raise _NoTrial(update_code_note(report))
     # The call whose replay named the producer; for a batch that entered non-finite, the call given it; for a
     # producer in the loss code, the step's last call (the loss code reads its outputs: loss.py checks).
     root = replays.replayed if report.reproduced else None

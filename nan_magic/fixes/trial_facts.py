@@ -66,10 +66,10 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
             facts += [("exponents", tuple(sorted(remedy.exponents)))]
     if isinstance(remedy, EveryUse):  # (its operand clamped at its other uses on the line too)
         facts += [("every_use", remedy.clamped)]
-    if isinstance(remedy, DomainFix) and remedy.quotients is not None and outcome.failed is None and (
-            remedy.quotients[0] > _DOMINATES * max(remedy.quotients[1], 1.0)):
+    if isinstance(remedy, DomainFix) and outcome.failed is None and (
+            hidden := remedy.hidden_quotients(_DOMINATES)) is not None:
         # x / 0 clamped (a non-zero numerator over eps): finite, by a quotient of x * 8e6 that outweighs the rest.
-        facts += [("over_eps", remedy.quotients)]
+        facts += [("over_eps", hidden)]
     if isinstance(remedy, DomainFix) and remedy.inside and outcome.failed is None:
         # Values the clamp moved that were in the domain already (below eps, not 0): healthy ones it changes too.
         facts += [("inside", remedy.inside)]

@@ -73,7 +73,8 @@ _DOMAIN_CALLS = {name: index for names in FUNCTIONS.values() for name, index in 
 def domain_positions(tree: ast.AST) -> set[int]:
     """The ids of the nodes on the line where a 0 is out of the call's domain, as fix_records.DOMAIN_USES says: a
     division's divisor (``/ x``, ``/= x``, ``torch.div(n, x)``, ``n.div(x)``), a pow's base, the operand of a log, a
-    root, ``reciprocal`` (``torch.log(x)``, ``x.log()``); not a comparison's, a ``where``'s or ``zeros_like``'s."""
+    root, ``reciprocal`` (``torch.log(x)``, ``x.log()``), and the tensor a view there is of (``/ x.expand(8, 2)``'s x);
+    not a comparison's, a ``where``'s or ``zeros_like``'s."""
     found: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
@@ -89,4 +90,17 @@ def domain_positions(tree: ast.AST) -> set[int]:
             method = isinstance(node.func, ast.Attribute) and len(node.args) == index and not node.keywords
             arguments = [node.func.value, *node.args] if method and isinstance(node.func, ast.Attribute) else node.args
             found.update(map(id, [*arguments[index:index + 1], *named]))
+    for node in ast.walk(tree):  # (outer first: a chain of views, ``sigma[None].expand(8, 2)``, reaches its root)
+        if id(node) not in found:
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _VIEWS:
+            found.add(id(node.func.value))  # (the trial clamped the tensor the view reads: fixes/remedies/domain.py)
+        elif isinstance(node, ast.Subscript):
+            found.add(id(node.value))
     return found
+
+
+#: The tensor methods that return a view of the same values (``sigma.expand(8, 2)``): the tensor they are called on is
+#: used where the view is.
+_VIEWS = frozenset({"expand", "expand_as", "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "t",
+                    "transpose", "permute", "flatten", "unflatten", "movedim", "narrow", "select", "contiguous"})

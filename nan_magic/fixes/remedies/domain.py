@@ -22,7 +22,8 @@ import torch
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, FUNCTIONS, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS, whole_power
 from nan_magic.fixes.site import function_name
 
-__all__ = ["Behind", "DomainFix", "behind_mask", "denominator_form", "parameter_operand", "quotient_sizes"]
+__all__ = ["Behind", "DomainFix", "behind_mask", "denominator_form", "holds_of", "parameter_operand", "power_sizes",
+           "quotient_sizes"]
 
 
 def _whole_power(exponent: Any) -> bool:
@@ -141,6 +142,61 @@ def quotient_sizes(numerator: Any, denominator: torch.Tensor, moved: torch.Tenso
         return None
 
 
+#: The most elements a view's offsets are compared for (:func:`holds_of`); a larger view is no use found.
+_VIEW_ELEMENTS = 1 << 20
+
+
+def holds_of(value: Any, operand: torch.Tensor) -> bool:
+    """Whether ``value`` is ``operand``, or a view of its storage that reads only elements of it (``sigma.expand(8,
+    1)``, ``sigma.view(-1)``, ``sigma[0]``): a use of the same values (every_use.py). Runs only inside a trial."""
+    if value is operand:
+        return True
+    if not isinstance(value, torch.Tensor) or not value._is_view() or value.dtype != operand.dtype or (
+            value.device != operand.device) or value.is_sparse or operand.is_sparse:
+        return False
+    try:
+        storage = value.untyped_storage()
+        if storage.data_ptr() != operand.untyped_storage().data_ptr() or storage.nbytes() == 0:
+            return False
+        size = storage.nbytes() // value.element_size()
+        if max(size, value.numel(), operand.numel()) > _VIEW_ELEMENTS:
+            return False
+        with torch.no_grad():
+            offsets = torch.arange(size)
+            mine = offsets.as_strided(value.shape, value.stride(), value.storage_offset())
+            theirs = offsets.as_strided(operand.shape, operand.stride(), operand.storage_offset())
+            return bool(torch.isin(mine, theirs).all())
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+
+
+#: The functions that divide 1 by their operand, and the power they raise it to (a pow's is its exponent).
+_POWERS = {"reciprocal": -1.0, "reciprocal_": -1.0, **dict.fromkeys(FUNCTIONS["rsqrt"], -0.5)}
+#: The torch functions (and aten ops) of a product: a negative power's numerator (``x * v ** -1``).
+_PRODUCTS = frozenset({"mul", "multiply", "__mul__", "__rmul__", "mul_", "__imul__"})
+
+
+def power_sizes(exponent: Any, base: torch.Tensor, moved: torch.Tensor) -> tuple[float, float] | None:
+    """:func:`quotient_sizes` of a negative power, ``moved ** exponent`` (``v ** -1``, ``v.rsqrt()``: 1 over the base),
+    against the base's other values; None where the exponent is no negative number or tensor, or nothing moved."""
+    if isinstance(exponent, torch.Tensor):
+        negative = bool((exponent < 0).any()) if exponent.numel() and not exponent.is_complex() else False
+    else:
+        negative = isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent < 0
+    if not negative:
+        return None
+    try:
+        with torch.no_grad():
+            power = (moved.double() ** (exponent.double() if isinstance(exponent, torch.Tensor) else exponent)).abs()
+            clamped = torch.broadcast_to(moved != base, power.shape)
+            if not bool(clamped.any()):
+                return None
+            rest = power[~clamped & torch.isfinite(power)]
+            return float(power[clamped].max()), float(rest.max()) if rest.numel() else 0.0
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _inside(function: str, operand: torch.Tensor) -> torch.Tensor:
     """Where ``operand`` is inside ``function``'s open domain, where it and its derivative are finite: (-1, 1), (0, 1)
     for logit and ndtri, above -1 for log1p, above 0 for the others (a log, a sqrt, a denominator never negative)."""
@@ -194,9 +250,11 @@ class DomainFix:
         self.calls = 0
         self.unchanged: list[tuple[int, int | str, torch.Tensor]] = []
         self.operands: list[torch.Tensor] = []
-        #: The largest size of a quotient where its denominator was clamped, and of the others (finite), where the
-        #: remedy clamped a denominator: x / eps is x * 8e6 in float32, the inf hidden (remedy_facts' ``over_eps``).
-        self.quotients: tuple[float, float] | None = None
+        #: The sizes of the quotients over a clamped divisor and of the others (:attr:`quotients`).
+        self._quotients: tuple[float, float] | None = None
+        #: Of a negative power it clamped the base of (``v ** -1``, ``v.rsqrt()``): [its output, where the base was
+        #: moved, the sizes], the sizes those of its product at the line where one reads it (:meth:`note_product`).
+        self._powers: list[list[Any]] = []
         #: Of the values moved, those that were inside the function's domain, only nearer its edge than eps (a
         #: probability of 1e-9 under a log): the clamp changes them too, healthy values (remedy_facts' ``inside``).
         self.inside = 0
@@ -229,6 +287,8 @@ class DomainFix:
         ordinal = self.calls
         self.calls += 1
         result = self._remedied(func, args, kwargs)
+        if result is None and self._powers:
+            self.note_product(function_name(func), args)
         if result is None and function_name(func) != "__get__":  # (a property read, ``sigma.shape``: no use)
             given: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
             self.unchanged += [(ordinal, key, value) for key, value in given if isinstance(value, torch.Tensor)]
@@ -239,7 +299,7 @@ class DomainFix:
         sigma divided by too): ``{the call's ordinal at the line: its arguments}``; the references are let go."""
         uses: dict[int, tuple[int | str, ...]] = {}
         for ordinal, key, value in self.unchanged:
-            if any(value is operand for operand in self.operands):
+            if any(holds_of(value, operand) for operand in self.operands):
                 uses[ordinal] = (*uses.get(ordinal, ()), key)
         self.unchanged, self.operands = [], []
         return uses
@@ -247,14 +307,61 @@ class DomainFix:
     def note_quotient(self, name: str, args: Sequence[Any], index: int | str, operand: torch.Tensor,
                       moved: torch.Tensor) -> None:
         """Count the sizes of the quotient whose denominator, argument ``index`` of the call ``name``, was ``operand``
-        and is ``moved`` (:attr:`quotients`); nothing where the call is no division by it."""
-        if index != FUNCTIONS["div"].get(name, FUNCTIONS["reciprocal"].get(name)):
+        and is ``moved`` (:meth:`hidden_quotients`); nothing where the call is no division by it."""
+        if index == 0 and (name in _POWERS or name in FUNCTIONS["pow"]):
+            # A division spelled as a power (``x * v ** -1``, ``x * v.rsqrt()``, ``x * torch.reciprocal(v)``):
+            # 1 / eps ** k where the base was clamped, until a product at the line gives it its numerator
+            # (:meth:`note_product`: ``0 * v ** -1`` of a row of zeros hides nothing).
+            exponent = _POWERS[name] if name in _POWERS else args[1] if len(args) > 1 else None
+            sizes = power_sizes(exponent, operand, moved)
+            if sizes is not None:  # (what the clamp multiplies by at most: eps ** -0.5 = 2.9e3 for an rsqrt)
+                lowest = float(exponent.min()) if isinstance(exponent, torch.Tensor) else float(exponent or 0.0)
+                self._powers.append([None, moved != operand, sizes, torch.finfo(moved.dtype).eps ** lowest])
             return
-        numerator = args[0] if index == 1 else args[1] if len(args) > 1 else 1.0  # (``2 / x``, ``x.reciprocal()``)
-        sizes = quotient_sizes(numerator, operand, moved)
+        if index == FUNCTIONS["div"].get(name, FUNCTIONS["reciprocal"].get(name)):
+            numerator = args[0] if index == 1 else args[1] if len(args) > 1 else 1.0  # (``2 / x``)
+            sizes = quotient_sizes(numerator, operand, moved)
+        else:
+            return
         if sizes is not None:
-            old = self.quotients or (0.0, 0.0)
-            self.quotients = (max(old[0], sizes[0]), max(old[1], sizes[1]))
+            self._quotients = (max(self._quotients[0], sizes[0]), max(self._quotients[1], sizes[1])) \
+                if self._quotients is not None else sizes
+
+    def hidden_quotients(self, dominates: float) -> tuple[float, float] | None:
+        """The largest size of a quotient where its denominator was clamped, and of the others (finite), where one
+        outweighs the others: more than ``dominates`` times the largest other (or 1); a negative power's (its product
+        at the line the quotient), whose clamp multiplies by less (an rsqrt's by 2.9e3), more than a tenth of that
+        times. x / eps is x * 8e6 in float32: the inf hidden (remedy_facts' ``over_eps``). None where none does."""
+        entries = [(*self._quotients, dominates)] if self._quotients is not None else []
+        entries += [(*power[2], min(dominates, power[3] / 10)) for power in self._powers]
+        found = [(at, rest) for at, rest, times in entries if at > times * max(rest, 1.0)]
+        return (max(at for at, _ in found), max(rest for _, rest in found)) if found else None
+
+    def note_output(self, result: Any) -> Any:
+        """``result``, the output of a call this remedy changed: a negative power's, kept for :meth:`note_product`."""
+        for power in self._powers:
+            if power[0] is None:
+                power[0] = result
+        return result
+
+    def note_product(self, name: str, args: Sequence[Any]) -> None:
+        """A product at the line of a negative power this remedy clamped the base of, by ``args``' other factor:
+        the quotient's numerator (``x * v ** -1``: 0 * 1 / eps is 0, no x / 0 hidden)."""
+        if name not in _PRODUCTS or len(args) != 2:
+            return
+        for power in self._powers:
+            if power[0] is None or not any(arg is power[0] for arg in args):
+                continue
+            other = args[1] if args[0] is power[0] else args[0]
+            try:
+                with torch.no_grad():
+                    product = (torch.as_tensor(other, device=power[0].device) * power[0]).abs().double()
+                    clamped = torch.broadcast_to(power[1], product.shape)
+                    rest = product[~clamped & torch.isfinite(product)]
+                    power[2] = (float(product[clamped].max()) if bool(clamped.any()) else 0.0,
+                                float(rest.max()) if rest.numel() else 0.0)
+            except (RuntimeError, TypeError, ValueError):
+                continue
 
     def _remedied(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         name = function_name(func)
@@ -316,7 +423,7 @@ class DomainFix:
         self.note_quotient(name, args, index, operand, moved)
         remedied = list(args)
         remedied[index] = moved
-        return func(*remedied, **kwargs)
+        return self.note_output(func(*remedied, **kwargs))
 
     def _counted(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], index: int) -> Any:
         """An integer denominator of counts clamped to 1 (:func:`_counts`), or None where it is not counts."""

@@ -20,7 +20,7 @@ import torch
 
 from nan_magic.fix_records import BOUNDED_FUNCTIONS, DOMAIN_USES, SHIFTED_FUNCTIONS, UNIT_FUNCTIONS
 from nan_magic.fixes.loss import LossCode
-from nan_magic.fixes.remedies.domain import DomainFix, denominator_form
+from nan_magic.fixes.remedies.domain import DomainFix, denominator_form, holds_of
 from nan_magic.fixes.site import Site, function_name
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
 
@@ -48,7 +48,7 @@ class EveryUse(DomainFix):
         # (where the first trial saw the use, and any argument that is an operand already clamped on this run)
         given_keys: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
         keys = (*self.uses.get(self.calls % self.period, ()), *(
-            key for key, value in given_keys if any(value is operand for operand in self.operands)))
+            key for key, value in given_keys if any(holds_of(value, operand) for operand in self.operands)))
         # Only where a 0 is out of the call's domain (a log, a division by it, a root): not the user's guard around
         # the same operand (``where(sigma > 0, ..., zeros_like(sigma))``, ``* (sigma > 0)``), which a clamp defeats.
         name = function_name(func)
@@ -72,7 +72,7 @@ class EveryUse(DomainFix):
         if not changed:
             return None
         self.clamped += 1
-        return func(*given, **named)
+        return self.note_output(func(*given, **named))
 
     def _clamp(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` moved into the function's domain as the producer's operand is (domain.py), once per tensor."""

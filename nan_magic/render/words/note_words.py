@@ -180,6 +180,10 @@ _TEMPLATES: dict[str, str] = {
                                 "them",
     "fixes-update-code": "no fix was tried: the producer ({op}) ran in the loop's code between backward() and the "
                          "step, which the trials do not run again",
+    "fixes-update-divisor": "no fix was tried: the producer ({op}) ran in the loop's code between backward() and the "
+                            "step, which the trials do not run again (they replay the step's forward, loss and "
+                            "backward only); an eps in its divisor at that line (norm.clamp_min(eps), or norm + eps) "
+                            "is the likely remedy, not verified",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "fixes-interrupted": "the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried; the rest "
