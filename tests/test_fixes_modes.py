@@ -36,7 +36,7 @@ NO_OP = ("no fix was tried: the remedies fit the producer's op, which was not na
 
 #: Why a trial cannot run the loss code again under ops=True (fixes/loss.py).
 OPS_LOSS = ("ops mode traces the loss code as it runs, and keeps no record of it to run again (the same watch without "
-            "ops=True records it, and tries the remedies on a replay of the step)")
+            "ops=True records it, so that its trials can run it again)")
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

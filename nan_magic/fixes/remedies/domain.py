@@ -170,6 +170,8 @@ def holds_of(value: Any, operand: torch.Tensor) -> bool:
         return False
 
 
+#: The least factor a negative power's clamp must multiply by to hide an inf (``1 / eps`` is 8e6 in float32).
+_HIDES = 1000.0
 #: The functions that divide 1 by their operand, and the power they raise it to (a pow's is its exponent).
 _POWERS = {"reciprocal": -1.0, "reciprocal_": -1.0, **dict.fromkeys(FUNCTIONS["rsqrt"], -0.5)}
 #: The torch functions (and aten ops) of a product: a negative power's numerator (``x * v ** -1``).
@@ -223,6 +225,24 @@ def _centred(args: Sequence[Any], index: int, divisor: torch.Tensor) -> bool:
         return False
 
 
+def _clamped_where(value: Any, output: torch.Tensor | None, moved: torch.Tensor) -> torch.Tensor | None:
+    """Where ``value`` reads a clamped element of a negative power's ``output`` (``moved``: where its base was
+    clamped), as ``value`` is laid out: ``output`` itself, or a view of it (``(v ** -1)[:, None]``,
+    ``v.rsqrt().unsqueeze(0)``, ``torch.reciprocal(v).view(-1)``); None where ``value`` reads no element of it."""
+    if output is None or not isinstance(value, torch.Tensor):
+        return None
+    if value is output:
+        return moved
+    try:
+        if not value._is_view() or not output.is_contiguous() or (
+                value.untyped_storage().data_ptr() != output.untyped_storage().data_ptr()):
+            return None
+        laid_out = torch.broadcast_to(moved, output.shape).contiguous()
+        return laid_out.as_strided(value.shape, value.stride(), value.storage_offset() - output.storage_offset())
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+
+
 class DomainFix:
     """The remedy for the function ``function`` (a key of :data:`FUNCTIONS`)."""
 
@@ -253,7 +273,7 @@ class DomainFix:
         #: The sizes of the quotients over a clamped divisor and of the others (:attr:`quotients`).
         self._quotients: tuple[float, float] | None = None
         #: Of a negative power it clamped the base of (``v ** -1``, ``v.rsqrt()``): [its output, where the base was
-        #: moved, the sizes], the sizes those of its product at the line where one reads it (:meth:`note_product`).
+        #: moved, the sizes (None until a product at the line reads it: :meth:`note_product`), its factor].
         self._powers: list[list[Any]] = []
         #: Of the values moved, those that were inside the function's domain, only nearer its edge than eps (a
         #: probability of 1e-9 under a log): the clamp changes them too, healthy values (remedy_facts' ``inside``).
@@ -314,9 +334,10 @@ class DomainFix:
             # (:meth:`note_product`: ``0 * v ** -1`` of a row of zeros hides nothing).
             exponent = _POWERS[name] if name in _POWERS else args[1] if len(args) > 1 else None
             sizes = power_sizes(exponent, operand, moved)
-            if sizes is not None:  # (what the clamp multiplies by at most: eps ** -0.5 = 2.9e3 for an rsqrt)
-                lowest = float(exponent.min()) if isinstance(exponent, torch.Tensor) else float(exponent or 0.0)
-                self._powers.append([None, moved != operand, sizes, torch.finfo(moved.dtype).eps ** lowest])
+            lowest = float(exponent.min()) if isinstance(exponent, torch.Tensor) else float(exponent or 0.0)
+            factor = torch.finfo(moved.dtype).eps ** lowest  # (what the clamp multiplies by: 2.9e3 for an rsqrt)
+            if sizes is not None and factor >= _HIDES:  # (``v ** -0.1``'s clamp multiplies by 4.9: it hides no inf)
+                self._powers.append([None, moved != operand, None, factor])
             return
         if index == FUNCTIONS["div"].get(name, FUNCTIONS["reciprocal"].get(name)):
             numerator = args[0] if index == 1 else args[1] if len(args) > 1 else 1.0  # (``2 / x``)
@@ -333,7 +354,10 @@ class DomainFix:
         at the line the quotient), whose clamp multiplies by less (an rsqrt's by 2.9e3), more than a tenth of that
         times. x / eps is x * 8e6 in float32: the inf hidden (remedy_facts' ``over_eps``). None where none does."""
         entries = [(*self._quotients, dominates)] if self._quotients is not None else []
-        entries += [(*power[2], min(dominates, power[3] / 10)) for power in self._powers]
+        # A power is judged only where a product at the line gave it its numerator: its output read another way
+        # (``(v ** -1)[:, None]``, ``inv = v ** -1`` then ``h * inv`` on the next line) says nothing of the numerator,
+        # and ``0 * (1 / eps)`` of F.normalize's zero rows hides no inf.
+        entries += [(*power[2], min(dominates, power[3] / 10)) for power in self._powers if power[2] is not None]
         found = [(at, rest) for at, rest, times in entries if at > times * max(rest, 1.0)]
         return (max(at for at, _ in found), max(rest for _, rest in found)) if found else None
 
@@ -350,13 +374,16 @@ class DomainFix:
         if name not in _PRODUCTS or len(args) != 2:
             return
         for power in self._powers:
-            if power[0] is None or not any(arg is power[0] for arg in args):
+            found = [(arg, read) for arg in args if (read := _clamped_where(arg, power[0], power[1])) is not None]
+            if len(found) != 1:
                 continue
-            other = args[1] if args[0] is power[0] else args[0]
+            (factor, clamped), other = found[0], args[1] if args[0] is found[0][0] else args[0]
+            if not isinstance(other, torch.Tensor):
+                continue  # (``2 * v ** -1`` inside ``h * (...)``: a scale, not the numerator; h's zero rows are 0)
             try:
                 with torch.no_grad():
-                    product = (torch.as_tensor(other, device=power[0].device) * power[0]).abs().double()
-                    clamped = torch.broadcast_to(power[1], product.shape)
+                    product = (other * factor).abs().double()
+                    clamped = torch.broadcast_to(clamped, product.shape)
                     rest = product[~clamped & torch.isfinite(product)]
                     power[2] = (float(product[clamped].max()) if bool(clamped.any()) else 0.0,
                                 float(rest.max()) if rest.numel() else 0.0)
