@@ -35,8 +35,8 @@ NO_OP = ("no fix was tried: the remedies fit the producer's op, which was not na
          "(%%nantrace --ops) for the op and line")
 
 #: Why a trial cannot run the loss code again under ops=True (fixes/loss.py).
-OPS_LOSS = ("ops mode traces the loss code as it runs, and keeps no record of it to run again (the same watch without "
-            "ops=True records it, so that its trials can run it again)")
+OPS_LOSS = ("ops mode traces the loss code as it runs, and keeps no record of it to run again (a watch without the "
+            "op tracer records it, so that its trials can run it again)")
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -276,4 +276,4 @@ def test_a_loss_code_producer_under_ops_says_where_its_trials_run(mode: str) -> 
     (note,) = [note.text for note in report.note_facts if note.kind.startswith("fixes-")]
     assert note.startswith("no fix was tried: the producer ran in the loss code, which the trials could not run "
                            "again: ops mode traces the loss code as it runs"), note
-    assert note.endswith("(the same watch without ops=True records it, so that its trials can run it again)"), note
+    assert note.endswith("(a watch without the op tracer records it, so that its trials can run it again)"), note

@@ -135,8 +135,8 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
     """
     recorder = source.recorder
     if recorder is None:
-        return ("ops mode traces the loss code as it runs, and keeps no record of it to run again (the same watch "
-                "without ops=True records it, so that its trials can run it again)")
+        return ("ops mode traces the loss code as it runs, and keeps no record of it to run again (a watch "
+                "without the op tracer records it, so that its trials can run it again)")
     if "loss" in recorder.untraced:
         return "the loss code ran more ops a step than the watch records"
     last = before_loss and not source.judged_at_check
