@@ -95,7 +95,8 @@ def test_the_deferred_watch_of_a_gpu_style_loop_and_a_black_image(tmp_path: Path
     assert "----> 5         loss = F.cross_entropy(model(xb), yb)" in debug and debug.rstrip().endswith("64")
     tb = cell_text(named_cell(nb, "tb"))  # %tb: the full traceback ends at the same line
     assert tb.rstrip().endswith(f"{short[0]}, {short[1].strip()}")
-    assert "----> 5     return (x - mean) / x.std((1, 2, 3), keepdim=True)" in tb
+    # (IPython 7 shows the line as the file holds it, indented in its def; IPython 8 dedents the excerpt)
+    assert re.search(r"----> 5 +return \(x - mean\) / x\.std\(\(1, 2, 3\), keepdim=True\)\n", tb), tb
     assert printed(named_cell(nb, "unchanged")) == "0 0 True"  # no hook left, no non-finite weight: the step stopped
     assert printed(named_cell(nb, "rerun")).startswith("done 1 ")
     script_agrees(name, short, ("setup", "data", "model", "train"), tmp_path)
@@ -133,11 +134,12 @@ def test_the_train_step_helper_whose_uncertainty_weights_start_at_sigma_zero(sig
     assert "----> 4         loss = train_step(X[i:i + 32], age[i:i + 32], smoker[i:i + 32])" in debug
     assert debug.rstrip().endswith("\n0")
     assert printed(named_cell(nb, "rerun")).startswith("done 2 ")
-    # As a script (python -m nan_magic run, or nan_magic.watch(net, weigh, opt) in it): the same event, the root
-    # named by its class alone (a script's watch is given no variable names)
+    # As a script under python -m nan_magic run: the same line. Was "... UncertaintyWeights (root), op ...": the
+    # command line named a model it found by its class alone, where the notebook names it by its variable
     cells = ("setup", "data", "model", "helper", "train")
+    script_agrees("train_step_sigma.ipynb", short, cells, folder)
+    # nan_magic.watch(net, weigh, opt) in the script: given objects, not names, it labels the models by their class
     without_names = [short[0].removesuffix(" in weigh"), *short[1:]]
-    script_agrees("train_step_sigma.ipynb", without_names, cells, folder)
     script_agrees("train_step_sigma.ipynb", without_names, cells, folder, watch="net, weigh, opt")
 
 
@@ -258,6 +260,7 @@ def test_the_empty_reviews_cause_names_the_divisor_as_written(tmp_path: Path) ->
 
 
 def test_the_bert_tagger_under_bfloat16_autocast_whose_sigmoid_rounds_to_one(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")  # (in the kernel's environment: .venv-colab has none)
     name = "hf_bf16_prior.ipynb"
     nb = run_copy(WALK, name, tmp_path)
     assert one_line(named_cell(nb, "bad_option")).startswith(
