@@ -147,7 +147,9 @@ def test_the_train_step_helper_whose_uncertainty_weights_start_at_sigma_zero(sig
     "sigma is 0 in both the division `task_loss / (2 * s ** 2)` and `torch.log(s)` on the same line: the eps trial "
     "clamps only the divisor `2 * s ** 2`, log(0) stays -inf, and the user reads '0 of 1 verified' with no fix; "
     "fixes/remedies/every_use.py clamps a tensor at its other uses only where the producer's operand is that very "
-    "tensor, not one derived from it (s ** 2), so `s.clamp_min(eps)` at both uses is never tried"))
+    "tensor, not one derived from it (s ** 2), so `s.clamp_min(eps)` at both uses is never tried (it would give a "
+    "finite loss near 1e14; the honest remedy, learning log(sigma ** 2) as the paper does, is no trial the product "
+    "makes)"))
 def test_the_uncertainty_weights_get_a_verified_clamp_of_sigma(sigma: tuple[Any, Path]) -> None:
     nb, _folder = sigma
     assert "1 of 1 verified" in report_text(named_cell(nb, "train"))
