@@ -54,6 +54,14 @@ def test_the_log_of_one_minus_a_sigmoid_that_rounded_to_one_is_fused_into_logsig
     assert "stable: log(1 - sigmoid(x)) computed as F.logsigmoid(-x)" in text, text
 
 
+def test_the_log_domain_cause_says_how_a_sigmoid_s_log_is_computed_from_logits() -> None:
+    # Was "... or use log_softmax / logsumexp / log_ndtr for log-probabilities (logdet for a determinant)": nothing
+    # for the log of a sigmoid's probability, the commonest hand-written log of a probability
+    cause = _report(autocast=True).to_text().split("\n\n")[1]
+    assert "or use log_softmax / logsumexp / log_ndtr / logsigmoid for log-probabilities (F.logsigmoid(-z) for " \
+        "log(1 - sigmoid(z)); logdet for a determinant)" in cause, cause
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "A gradient already NaN when the watch begins (left by an earlier backward that was never zeroed: a second "
     "scene.rerun_step(step, model, opt) whose step() has no opt.zero_grad()) is reported as 'first non-finite "
