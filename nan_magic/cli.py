@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.distributed.ranks import launched_rank, leave_together, per_rank_path
+from nan_magic.distributed.ranks import launched_rank, leave_together, per_rank_path, user_type
 from nan_magic.errors.exceptions import NonFiniteError, peer_message
 from nan_magic.errors.warning_lines import cell_named
 from nan_magic.lifecycle.watch import Watch
@@ -120,8 +120,19 @@ def _show(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return EXIT_CLEAN
 
 
+def _script_name(target: Any) -> str | None:
+    """The name a model the script calls joins the watch under: its variable's in the script's globals (as a
+    notebook's joins under its name in the user namespace: ``UncertaintyWeights (root) in weigh``), else its class's.
+    None for anything else: an optimizer joins by the watch's own rule (it steps a watched model's parameters)."""
+    if not isinstance(target, torch.nn.Module):
+        return None
+    script = sys.modules.get("__main__")
+    names = [name for name, value in list(vars(script).items()) if value is target and not name.startswith("_")]
+    return names[0] if names else user_type(target)
+
+
 def _run(args: argparse.Namespace, config: WatchConfig) -> int:
-    watch = Watch(config=config)
+    watch = Watch(config=config, name_new_target=_script_name)
     script = os.path.abspath(args.script)
     sys.argv = [args.script, *args.args]
     sys.path.insert(0, os.path.dirname(script))

@@ -92,7 +92,7 @@ def test_a_real_event_exits_1_with_the_report_the_scene_and_html_and_json(script
     scene = nan_magic.load_scene(tmp_path / "scenes" / "nan_scene_step2.pt")
     assert scene.module == "1" and scene.batch["input[0]"].shape == (8, 4)
     assert [entry["type"] for entry in scene.data["optimizers"]] == ["SGD"]  # adopted from the script
-    assert list(scene.data["models"]) == ["Sequential"]
+    assert list(scene.data["models"]) == ["model"]  # its variable's name in the script, as a notebook's scene says
 
 
 def test_a_healthy_script_exits_0(script, tmp_path) -> None:

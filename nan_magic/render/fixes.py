@@ -62,6 +62,9 @@ def _changed(trial: FixTrial) -> str:
     if trial.kind == "stable":
         if trial.fact("form") == "log_softmax":
             return "the log of the softmax fused into log_softmax"
+        if trial.fact("form") == "logsigmoid(-x)":
+            return ("log(1 - sigmoid(x)) computed as F.logsigmoid(-x) (as F.binary_cross_entropy_with_logits does), "
+                    "where the sigmoid rounded to 1")
         if trial.fact("form") in ("logsigmoid", "log_ndtr"):
             return f"the log of the {'sigmoid' if trial.fact('form') == 'logsigmoid' else 'normal CDF'} fused into " \
                 f"{trial.fact('form')}"

@@ -57,8 +57,10 @@ _ADDS = frozenset({"add", "__add__", "__radd__"})
 #: ... and that multiply them.
 _MULS = frozenset({"mul", "__mul__", "__rmul__"})
 #: What each fused form is the log of, as the reason a trial was not run says it.
-_LOGGED = {"log_softmax": "softmax", "logsigmoid": "sigmoid", "log_ndtr": "normal CDF", "softplus": "1 + exp(x)",
-           "logdet": "determinant"}
+_LOGGED = {"log_softmax": "softmax", "logsigmoid": "sigmoid", "logsigmoid(-x)": "1 - sigmoid(x)",
+           "log_ndtr": "normal CDF", "softplus": "1 + exp(x)", "logdet": "determinant"}
+#: The torch functions that take a tensor from a number: ``1 - p`` (``Tensor.__rsub__(p, 1)``, ``torch.rsub(p, 1)``).
+_RSUBS = frozenset({"__rsub__", "rsub"})
 #: The determinants whose log is ``torch.logdet`` of their matrix (``torch.det``, ``S.det()``, ``torch.linalg.det``).
 _DETS = frozenset({"det", "linalg_det"})
 
@@ -147,11 +149,25 @@ class StableFix:
                 self._remember(result, x, "log_softmax", at_line, lambda: torch.log_softmax(x, dim, dtype=dtype))
         elif name == "sigmoid" and not kwargs and len(args) == 1:
             self._remember(result, x, "logsigmoid", at_line, lambda: torch.nn.functional.logsigmoid(x))
+        elif name in _RSUBS and not kwargs and len(args) == 2 and _is(args[1], 1.0):
+            self._complement(x, result)
         elif name in _DETS and not kwargs and len(args) == 1 and x.dim() >= 2:
             # (its log by LU, a sum of logs: finite where the product of a covariance's eigenvalues underflowed)
             self._remember(result, x, "logdet", at_line, lambda: torch.logdet(x))
         else:
             self._cdf(name, args, kwargs, result, at_line)
+
+    def _complement(self, p: torch.Tensor, result: torch.Tensor) -> None:
+        """Remembers ``1 - p`` of a sigmoid's output ``p = sigmoid(z)``: its log is ``logsigmoid(-z)`` (a hand-written
+        BCE's ``log(1 - p)``, -inf where the sigmoid rounded to 1), computed from z as the fused log of p is. Never
+        at the line for the suggested edit (the log's argument there is ``1 - p``, not a sigmoid's call)."""
+        known = self._logged.get(id(p))
+        if known is None or known.ref() is not p or known.form != "logsigmoid" or known.fused is None:
+            return
+        z = known.source
+        self._remember(result, z, "logsigmoid(-x)", False, lambda: torch.nn.functional.logsigmoid(-z),
+                       written=known.is_written(p))
+        self._logged[id(result)].source_version = known.source_version
 
     def _remember(self, result: torch.Tensor, source: torch.Tensor, form: str, at_line: bool,
                   fused: Callable[[], torch.Tensor] | None, written: bool = False, stage: int = 2) -> None:
@@ -188,7 +204,8 @@ class StableFix:
             known = self._logged.get(id(operand))
             if known is None or known.ref() is not operand or known.fused is None:
                 return None
-            self.form = known.form
+            # (a BCE's two logs: the form said is the complement's where one was fused, log(1 - p) being the -inf)
+            self.form = known.form if self.form != "logsigmoid(-x)" else self.form
             if known.is_written(operand):
                 self.declined = "written"
                 return None

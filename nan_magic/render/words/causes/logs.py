@@ -29,8 +29,8 @@ def log_hint(event: Report, cause: Cause) -> str:
              if base == "xlogy" else "-inf from zeros, NaN from negatives")
     return (
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: {signs}; clamp to "
-        f"eps first (x.clamp_min({suggested_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr for "
-        "log-probabilities (logdet for a determinant)"
+        f"eps first (x.clamp_min({suggested_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr / "
+        "logsigmoid for log-probabilities (F.logsigmoid(-z) for log(1 - sigmoid(z)); logdet for a determinant)"
     )
 
 
