@@ -8,6 +8,8 @@ the op and ops=True does, the two name different modules (a review found it): st
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
+from nan_magic.records import TensorRef, TensorRole
 
 _BAD_STEP = 2
 
@@ -68,3 +71,98 @@ def test_update_code_is_named_in_every_mode(divide: Any, mode: str, request: pyt
     report = _run(divide, MODE_OPTIONS[mode])
     assert (report.module, report.step) == (None, _BAD_STEP) and report.op is not None, (report.module, report.op)
     assert str(report.tensor) == "gradient of 0.weight", str(report.tensor)
+
+
+# -- a LARS-style helper over many parameters (lars-s37's cd4a521e, redone on this base) ---------------------------
+
+MODES = tuple(MODE_OPTIONS)
+
+
+def normalize_grads(model: nn.Module, eps: float) -> None:
+    for p in model.parameters():
+        p.grad /= p.grad.norm() + eps  # the division
+
+
+def _line(function: Callable[..., Any], marker: str) -> int:
+    lines, first = inspect.getsourcelines(function)
+    (index,) = [i for i, text in enumerate(lines) if f"# {marker}" in text]
+    return first + index
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_later_step_over_more_parameters_than_the_watched_region_keeps_names_the_division(mode: str) -> None:
+    """Step 2 of a LARS-style helper over 12 parameters (24 ops a region, the watched region's ring keeps 16): its
+    first division fell out of the ring before the step judged the gradients. Was (default/defer/full): "first
+    non-finite gradient of 0.weight in backward step 2: 0 (Linear)", no op, no line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **MODE_OPTIONS[mode]):
+        for step, x in enumerate(xs):
+            loss = model(x).pow(2).mean() * (0.0 if step == 2 else 1.0)  # step 2: every gradient exactly 0
+            opt.zero_grad()
+            loss.backward()
+            normalize_grads(model, 0.0)
+            opt.step()
+    report = caught.value.report
+    assert (report.step, report.module, report.op) == (2, None, "aten.div_.Tensor"), report.message
+    assert report.tensor == TensorRef(TensorRole.PARAMETER_GRADIENT, "0.weight", "")
+    assert report.source is not None and report.source.lineno == _line(normalize_grads, "the division")
+
+
+class Wide(nn.Module):
+    """A hundred heads: 200 parameters, 400 ops a LARS-style update region (the recorded region's budget is 256)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(4, 1) for _ in range(100))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(x) for head in self.heads]).sum(0)
+
+
+def _wide(bad: int | None, eps: float, mode: str) -> tuple[Any, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    with nan_magic.watch(model, opt, **MODE_OPTIONS[mode]) as w:
+        for step, x in enumerate(xs):
+            loss = model(x).pow(2).mean() * (0.0 if step == bad else 1.0)  # every gradient exactly 0
+            opt.zero_grad()
+            loss.backward()
+            normalize_grads(model, eps)
+            opt.step()
+    return w, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_lars_helper_over_more_ops_than_the_region_budget_is_named(bad: int, mode: str) -> None:
+    """Was (default/defer/full): the update region ran past its budget at step 0 and went unrecorded for the rest of
+    the run: "first non-finite gradient of heads.0.weight in backward step 0: heads.0 (Linear)", no op, no line."""
+    with pytest.raises(NonFiniteError) as caught:
+        _wide(bad, 0.0, mode)
+    report = caught.value.report
+    assert (report.step, report.module, report.op) == (bad, None, "aten.div_.Tensor"), report.message
+    assert report.tensor == TensorRef(TensorRole.PARAMETER_GRADIENT, "heads.0.weight", "")
+    assert report.source is not None and report.source.lineno == _line(normalize_grads, "the division")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_wide_lars_twin_is_silent_and_bit_identical(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    for x in xs:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        normalize_grads(model, 1e-12)
+        opt.step()
+    expected = [p.detach().clone() for p in model.parameters()]
+    w, got = _wide(None, 1e-12, mode)
+    assert w.report is None and not w.events
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -2,6 +2,8 @@
 
 A watched region passes each op through, keeping the last :data:`RING` ops (by reference, with the user's line that
 ran them) until an op writes a watched parameter in place; from that op on the region is recorded, the ring first.
+The user's own in-place writes of a gradient that leave the ring are kept past it (up to :data:`WRITES_KEPT`): a
+LARS-style ``p.grad /= p.grad.norm()`` over every parameter is judged at the step, its first writes long out of it.
 Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is any
 tensor the user's own code writes in place (a gradient: ``g.div_(g.norm())``, ``g /= n``), so that a replay of the
 records starts from the value the write read.
@@ -28,10 +30,13 @@ from nan_magic.localize.outside.param_writes import Storages, copy_before, on_pa
 from nan_magic.localize.outside.recorded_ops import RecordedOp
 from nan_magic.localize.outside.recorder import OutsideRecorder, passes
 
-__all__ = ["RING", "UpdateRecorder"]
+__all__ = ["RING", "WRITES_KEPT", "UpdateRecorder"]
 
 #: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
 RING = 16
+#: The user's own in-place writes of a gradient a watched region kept past its ring (``p.grad /= p.grad.norm()``
+#: over every parameter: the first writes fall out of the ring long before the step judges the gradients).
+WRITES_KEPT = 1024
 
 # ``.item()``'s op (``float(t)``'s too): the update code read a number (a learning rate computed in the loop).
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -119,12 +124,18 @@ class UpdateRecorder(OutsideRecorder):
         #: ``id(tensor)`` -> its version counter as :meth:`_keep_written` copied it into ``before`` (the step replay
         #: starts a model call from that copy where it is the value the call read: :meth:`values_before`).
         self.versions_before: dict[int, int] = {}
+        #: Whether the recorded region wrote a watched parameter; whether it went on watched, its budget spent.
+        self.wrote_parameter = self.over_budget = False
         #: Whether the region is watched, not recorded (no watched parameter written yet).
         self.watching = False
         # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
         # f_lasti then).
         self._ring: deque[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = deque(
             maxlen=RING)
+        # The user's in-place writes of a gradient, in order, the ring's too (told apart at the claim, by id): kept
+        # for the step's claim of a gradient (its write, replayed from its copy), with the bytes of their operands.
+        self._writes_bytes, self._writes_left = 0, WRITES_KEPT
+        self._writes: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = []
 
     def watch(self) -> None:
         """Watch the update region: record it only from its first write of a watched parameter."""
@@ -134,8 +145,11 @@ class UpdateRecorder(OutsideRecorder):
     def forget(self, last: bool = False, stepping: bool = False) -> None:
         super().forget(last, stepping)
         self._copied = 0
-        self.read_number = False
+        self.read_number = self.wrote_parameter = self.over_budget = False
         self._ring.clear()
+        if self._writes:
+            self._writes.clear()
+            self._writes_bytes, self._writes_left = 0, WRITES_KEPT
         if self.versions_before:
             self.versions_before.clear()
 
@@ -170,18 +184,37 @@ class UpdateRecorder(OutsideRecorder):
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
                     out = run_op(func, args, kwargs)
                 self._clean = False
-                self._ring.append((func, tuple(args), kwargs, out, frame,
-                                   line_at(frame) if frame else 0, frame.f_lasti if frame else -1))
+                entry = (func, tuple(args), kwargs, out, frame, line_at(frame) if frame else 0,
+                         frame.f_lasti if frame else -1)
+                self._ring.append(entry)
+                if plan is not None and frame is not None and self._writes_left:
+                    # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the operands
+                    # it holds (a norm, a count) while within KEEP_TOTAL bytes a region: a large temporary (a mask the
+                    # gradient is multiplied by) is not held, as unwatched, and its write goes unnamed past the ring.
+                    size = 0
+                    for arg in args[1:]:
+                        if type(arg) is torch.Tensor:
+                            size += arg.nbytes
+                    if self._writes_bytes + size <= KEEP_TOTAL:
+                        self._writes_bytes += size
+                        self._writes_left -= 1
+                        self._writes.append(entry)
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
             if on_parameters(self._storages(), self._parameter_of, written):
+                self.wrote_parameter = True
                 for tensor in written:
                     if isinstance(tensor, torch.Tensor):
                         self._copy(tensor)
             elif _users(sys._getframe(1)) is not None:
                 self._keep_written(written)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._budget == 0 and not self.wrote_parameter and self._region == "update" and self.pushed:
+            # Its budget spent, no parameter written (a LARS helper over hundreds of parameters): the region goes on
+            # watched (its ring, the user's gradient writes kept past it), not unrecorded for the rest of the run.
+            self.watching = self.over_budget = True
+        return out
 
     def _keep_written(self, written: Sequence[Any]) -> None:
         """Copy what the user's own update code is about to write in place (not a parameter: a gradient, by
@@ -218,7 +251,14 @@ class UpdateRecorder(OutsideRecorder):
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
         self._clean = False
-        for func, args, kwargs, out, frame, lineno, lasti in self._ring:
+        ring = self._ring
+        if self._writes:  # (the kept writes the ring no longer holds, older than its ops)
+            in_ring = set(map(id, ring))
+            kept: Sequence[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = [
+                *(entry for entry in self._writes if id(entry) not in in_ring), *ring]
+        else:
+            kept = ring
+        for func, args, kwargs, out, frame, lineno, lasti in kept:
             self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
                                         frame.f_globals if frame else None, lasti, frame))
             index = len(self._ops) - 1
@@ -226,8 +266,10 @@ class UpdateRecorder(OutsideRecorder):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
         self._n_ops = len(self._ops)
-        self._budget -= len(self._ring)
+        self._budget -= len(kept)
         self._ring.clear()
+        self._writes.clear()
+        self._writes_bytes, self._writes_left = 0, WRITES_KEPT
 
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)
