@@ -284,7 +284,9 @@ class LoopWrites:
             return None
         if recorder._ring:
             recorder._record_ring()
-        return recorder.claim(gradient)
+        found = recorder.claim(gradient)
+        # (Not found by the tensor itself: a write through ``.data``, a foreach op's: by its memory.)
+        return found if found is not None else recorder.claim_written(gradient)
 
     def name_lr(self, finding: Finding, lr: float, raw: object = None) -> bool:
         """An optimizer step made ``finding``'s parameter non-finite with a non-finite learning rate ``lr``: name the

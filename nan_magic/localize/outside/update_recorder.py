@@ -12,6 +12,7 @@ records starts from the value the write read.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -23,11 +24,12 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.lines import line_at
+from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.param_writes import Storages, copy_before, on_parameters, written_by
-from nan_magic.localize.outside.recorded_ops import RecordedOp
+from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder, passes
 
 __all__ = ["RING", "WRITES_KEPT", "UpdateRecorder"]
@@ -41,6 +43,10 @@ WRITES_KEPT = 1024
 # ``.item()``'s op (``float(t)``'s too): the update code read a number (a learning rate computed in the loop).
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
+
+#: A watched region's op: (op, args, kwargs, output, the user's frame that ran it, its line and f_lasti then, and
+#: for a library's write, the user's frame that called the library: the library's ops before it take its line).
+_Entry = tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int, FrameType | None]
 
 # What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
 # or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
@@ -94,6 +100,24 @@ def _users(frame: FrameType | None) -> FrameType | None:
     return None
 
 
+def _beyond_library(frame: FrameType | None) -> FrameType | None:
+    """The user's frame that called the library function running ``frame``, past it and torch's plumbing. Asked
+    only for a library's write of a non-finite number (``clip_grad_value_(params, nan)``): never on a healthy step."""
+    while frame is not None:
+        entry = _CALLERS.get(id(frame.f_code))
+        if entry is None:
+            entry = _CALLERS[id(frame.f_code)] = (frame.f_code, _caller_kind(frame))
+        if entry[1] == _USER:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _number_not_finite(args: Sequence[Any]) -> bool:
+    """Whether an op is given a non-finite Python number (``clip_grad_value_``'s clamp of a NaN clip value)."""
+    return any(type(arg) is float and not math.isfinite(arg) for arg in args)
+
+
 def _caller_kind(frame: FrameType) -> int:
     if not is_library_code(frame.f_code) and frame.f_code.co_name not in _HOOKS:
         return _USER
@@ -130,12 +154,12 @@ class UpdateRecorder(OutsideRecorder):
         self.watching = False
         # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
         # f_lasti then).
-        self._ring: deque[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = deque(
+        self._ring: deque[_Entry] = deque(
             maxlen=RING)
         # The user's in-place writes of a gradient, in order, the ring's too (told apart at the claim, by id): kept
         # for the step's claim of a gradient (its write, replayed from its copy), with the bytes of their operands.
         self._writes_bytes, self._writes_left = 0, WRITES_KEPT
-        self._writes: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = []
+        self._writes: list[_Entry] = []
 
     def watch(self) -> None:
         """Watch the update region: record it only from its first write of a watched parameter."""
@@ -173,21 +197,29 @@ class UpdateRecorder(OutsideRecorder):
             else:
                 # The caller's code is looked up here first (_users, inlined): a library function's
                 # (clip_grad_norm_'s) runs most of a watched region's ops.
-                caller = sys._getframe(1)
+                caller, library = sys._getframe(1), None
                 known = _CALLERS.get(id(caller.f_code))
                 frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
                          ) if known is not None else _users(caller)
                 if plan is not None and frame is not None:  # the user's own write of a gradient (not a library's)
                     self._keep_written(written)
+                elif plan is not None:  # a library's write (clip_grad_norm_'s _foreach_mul_, a GradScaler's unscale)
+                    # Kept with the user's call of the library, at its line (one short walk, once a call: its ops
+                    # before take it at a claim, _record_ring); copied first where given a non-finite number.
+                    library = frame = _beyond_library(caller)
+                    for arg in args:
+                        if type(arg) is float and not math.isfinite(arg):  # clip_grad_value_(params, nan)
+                            self._keep_written(written)
+                            break
                 try:
                     out = call(*args, **kwargs)
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
                     out = run_op(func, args, kwargs)
                 self._clean = False
                 entry = (func, tuple(args), kwargs, out, frame, line_at(frame) if frame else 0,
-                         frame.f_lasti if frame else -1)
+                         frame.f_lasti if frame else -1, library)
                 self._ring.append(entry)
-                if plan is not None and frame is not None and self._writes_left:
+                if plan is not None and frame is not None and library is None and self._writes_left:
                     # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the operands
                     # it holds (a norm, a count) while within KEEP_TOTAL bytes a region: a large temporary (a mask the
                     # gradient is multiplied by) is not held, as unwatched, and its write goes unnamed past the ring.
@@ -207,8 +239,8 @@ class UpdateRecorder(OutsideRecorder):
                 for tensor in written:
                     if isinstance(tensor, torch.Tensor):
                         self._copy(tensor)
-            elif _users(sys._getframe(1)) is not None:
-                self._keep_written(written)
+            elif _users(sys._getframe(1)) is not None or _number_not_finite(args):
+                self._keep_written(written)  # (the user's own write; a library's of a non-finite number given it)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self._budget == 0 and not self.wrote_parameter and self._region == "update" and self.pushed:
             # Its budget spent, no parameter written (a LARS helper over hundreds of parameters): the region goes on
@@ -254,11 +286,21 @@ class UpdateRecorder(OutsideRecorder):
         ring = self._ring
         if self._writes:  # (the kept writes the ring no longer holds, older than its ops)
             in_ring = set(map(id, ring))
-            kept: Sequence[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = [
+            kept: list[_Entry] = [
                 *(entry for entry in self._writes if id(entry) not in in_ring), *ring]
         else:
-            kept = ring
-        for func, args, kwargs, out, frame, lineno, lasti in kept:
+            kept = list(ring)
+        calling: tuple[FrameType | None, int, int] = (None, 0, -1)
+        for at in range(len(kept) - 1, -1, -1):  # (a library's ops take the line of its write, that called it)
+            func, args, kwargs, out, frame, lineno, lasti, library = kept[at]
+            if library is not None:
+                calling = frame, lineno, lasti
+            elif frame is None:
+                if calling[0] is not None:
+                    kept[at] = (func, args, kwargs, out, *calling, None)
+            else:
+                calling = (None, 0, -1)
+        for func, args, kwargs, out, frame, lineno, lasti, _library in kept:
             self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
                                         frame.f_globals if frame else None, lasti, frame))
             index = len(self._ops) - 1
@@ -270,6 +312,35 @@ class UpdateRecorder(OutsideRecorder):
         self._ring.clear()
         self._writes.clear()
         self._writes_bytes, self._writes_left = 0, WRITES_KEPT
+
+    def claim_written(self, gradient: torch.Tensor) -> OpFinding | None:
+        """The op that made ``gradient`` non-finite where :meth:`claim` finds none by the tensor itself: the last
+        recorded op that wrote its memory in place through another tensor object (``p.grad.data.div_(n)``: ``.data``
+        is a new tensor over the same storage, the DDP tutorial's averaging by hand) or in a list
+        (``torch._foreach_div_(grads, n)``, ``clip_grad_value_``'s ``_foreach_clamp_min_``: a foreach op returns
+        nothing), its records replayed up to that write. Matched by memory, at an event only."""
+        if gradient.layout is not torch.strided or not gradient.numel() or not self._ops:
+            return None
+        address, start = gradient.untyped_storage().data_ptr(), gradient.data_ptr()
+        end = start + gradient.numel() * gradient.element_size()
+        ops = self._ops
+        for index in range(len(ops) - 1, -1, -1):
+            func = ops[index].func
+            plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
+            if plan is None or not plan.writes:
+                continue
+            for value in written_by(plan, ops[index].args, ops[index].kwargs):
+                tensor = value.ref() if isinstance(value, WeakRecord) else value
+                if (isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.numel()
+                        and tensor.untyped_storage().data_ptr() == address and tensor.data_ptr() < end
+                        and start < tensor.data_ptr() + tensor.numel() * tensor.element_size()):
+                    key, before = record_key(value), self.before
+                    if key in before and id(gradient) not in before and before[key].shape == gradient.shape:
+                        # ``p.grad.data`` is recorded as a detach of the gradient: the replay makes it again from
+                        # the gradient, whose value before the write is the one copied under the alias written.
+                        before = {**before, id(gradient): before[key]}
+                    return self._claim_ops(list(ops[: index + 1]), self._rng, before, key)
+        return None
 
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)
