@@ -206,7 +206,7 @@ class UpdateRecorder(OutsideRecorder):
                 elif plan is not None:  # a library's write (clip_grad_norm_'s _foreach_mul_, a GradScaler's unscale)
                     # Kept with the user's call of the library, at its line (one short walk, once a call: its ops
                     # before take it at a claim, _record_ring); copied first where given a non-finite number.
-                    library = frame = _beyond_library(caller)
+                    library = frame = _beyond_library(caller.f_back)  # (caller: the library's)
                     for arg in args:
                         if type(arg) is float and not math.isfinite(arg):  # clip_grad_value_(params, nan)
                             self._keep_written(written)
