@@ -396,13 +396,6 @@ _NAN_CONFIG = '{"lr": 0.05, "weight_decay": NaN, "clip": NaN}'
 _CLIP = Expect("backward", None, step=0, op="aten._foreach_clamp_min_.Scalar", marker="config clip",
                tensor=TensorRef.gradient("0.weight"), cause="nonfinite-number")
 #: Known misses, each a strict xfail (what decides it, and why it is not fixed yet).
-CLIP_VALUE_GAP = (
-    "default/defer/full name the gradient (phase, step) but no op or line, and the gradient's owner (module 0) as "
-    "its producer, not the loop's code: clip_grad_value_ runs in a "
-    "library frame, so the update region's ring (localize/outside/update_recorder.py, _keep_written) neither copies "
-    "the gradients its _foreach_clamp_min_ overwrites nor keeps a user line for it (frame None); RegionRecords.claim "
-    "(region_records.py) then has no finite value to replay the NaN clip value on, and the backward replay's finite "
-    "gradients leave the report unclassified, reproduced=False. ops=True sees the op live")
 HESSIAN_VECTOR_GAP = (
     "a NaN born in a Hessian-vector product (the second autograd.grad differentiates vector_norm's backward formula "
     "grad / ||h|| at ||h|| = 0): default/defer/full name module 2 at the line of the second autograd.grad "
@@ -427,10 +420,7 @@ CASES = [
          Expect("optimizer", "0", "Linear", step=0, op="aten.add.Tensor", marker="config decay",
                 tensor=TensorRef.parameter("0.weight"), cause="nonfinite-number")),
     Case("hunt_s28_sgd_weight_decay_from_a_json_config_healthy", lambda: _config_weight_decay(_CONFIG), None),
-    Case("hunt_s28_clip_grad_value_nan_from_a_json_config", lambda: _config_clip_value(_NAN_CONFIG), _CLIP,
-         modes=("ops",)),
-    Case("hunt_s28_clip_grad_value_nan_from_a_json_config_tiered", lambda: _config_clip_value(_NAN_CONFIG), _CLIP,
-         modes=("default", "defer", "full"), marks=(pytest.mark.xfail(strict=True, reason=CLIP_VALUE_GAP),)),
+    Case("hunt_s28_clip_grad_value_nan_from_a_json_config", lambda: _config_clip_value(_NAN_CONFIG), _CLIP),
     Case("hunt_s28_clip_grad_value_from_a_json_config_healthy", lambda: _config_clip_value(_CONFIG), None),
     Case("hunt_s28_factored_optimizer_without_eps1_over_a_zero_gradient_at_step_0", lambda: _factored(0.0),
          Expect("optimizer", "0", "Linear", step=0, op="aten.div.Tensor", marker="factored update",

@@ -232,6 +232,7 @@ class LoopWrites:
                 self._wanted = "update" not in recorder.untraced
                 found += [(name, parameter, made, recorder) for name, parameter, made in remade]
             elif not wrote:
+                self._wanted = self._wanted and not recorder.over_budget  # (past its budget: watched from the next)
                 self._hold(recorder)
             elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.
@@ -283,7 +284,9 @@ class LoopWrites:
             return None
         if recorder._ring:
             recorder._record_ring()
-        return recorder.claim(gradient)
+        found = recorder.claim(gradient)
+        # (Not found by the tensor itself: a write through ``.data``, a foreach op's: by its memory.)
+        return found if found is not None else recorder.claim_written(gradient)
 
     def name_lr(self, finding: Finding, lr: float, raw: object = None) -> bool:
         """An optimizer step made ``finding``'s parameter non-finite with a non-finite learning rate ``lr``: name the

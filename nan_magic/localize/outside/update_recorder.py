@@ -2,6 +2,8 @@
 
 A watched region passes each op through, keeping the last :data:`RING` ops (by reference, with the user's line that
 ran them) until an op writes a watched parameter in place; from that op on the region is recorded, the ring first.
+The user's own in-place writes of a gradient that leave the ring are kept past it (up to :data:`WRITES_KEPT`): a
+LARS-style ``p.grad /= p.grad.norm()`` over every parameter is judged at the step, its first writes long out of it.
 Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is any
 tensor the user's own code writes in place (a gradient: ``g.div_(g.norm())``, ``g /= n``), so that a replay of the
 records starts from the value the write read.
@@ -10,6 +12,7 @@ records starts from the value the write read.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -21,21 +24,29 @@ from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_code
 from nan_magic.hot.kept.lines import line_at
+from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.plans import Plan, plan_of, run_op
 from nan_magic.localize.ops.sources import is_plumbing
 from nan_magic.localize.outside.held import KEEP_TOTAL
 from nan_magic.localize.outside.param_writes import Storages, copy_before, on_parameters, written_by
-from nan_magic.localize.outside.recorded_ops import RecordedOp
+from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder, passes
 
-__all__ = ["RING", "UpdateRecorder"]
+__all__ = ["RING", "WRITES_KEPT", "UpdateRecorder"]
 
 #: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
 RING = 16
+#: The user's own in-place writes of a gradient a watched region kept past its ring (``p.grad /= p.grad.norm()``
+#: over every parameter: the first writes fall out of the ring long before the step judges the gradients).
+WRITES_KEPT = 1024
 
 # ``.item()``'s op (``float(t)``'s too): the update code read a number (a learning rate computed in the loop).
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
+
+#: A watched region's op: (op, args, kwargs, output, the user's frame that ran it, its line and f_lasti then, and
+#: for a library's write, the user's frame that called the library: the library's ops before it take its line).
+_Entry = tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int, FrameType | None]
 
 # What a watched region does with an op: pass it and keep it in the ring, check whether it writes a parameter,
 # or pass it only (record_function's markers, an op that returns no tensor: nothing to replay, recorder.passes).
@@ -89,6 +100,24 @@ def _users(frame: FrameType | None) -> FrameType | None:
     return None
 
 
+def _beyond_library(frame: FrameType | None) -> FrameType | None:
+    """The user's frame that called the library function running ``frame``, past it and torch's plumbing. Asked
+    only for a library's write of a non-finite number (``clip_grad_value_(params, nan)``): never on a healthy step."""
+    while frame is not None:
+        entry = _CALLERS.get(id(frame.f_code))
+        if entry is None:
+            entry = _CALLERS[id(frame.f_code)] = (frame.f_code, _caller_kind(frame))
+        if entry[1] == _USER:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _number_not_finite(args: Sequence[Any]) -> bool:
+    """Whether an op is given a non-finite Python number (``clip_grad_value_``'s clamp of a NaN clip value)."""
+    return any(type(arg) is float and not math.isfinite(arg) for arg in args)
+
+
 def _caller_kind(frame: FrameType) -> int:
     if not is_library_code(frame.f_code) and frame.f_code.co_name not in _HOOKS:
         return _USER
@@ -119,12 +148,18 @@ class UpdateRecorder(OutsideRecorder):
         #: ``id(tensor)`` -> its version counter as :meth:`_keep_written` copied it into ``before`` (the step replay
         #: starts a model call from that copy where it is the value the call read: :meth:`values_before`).
         self.versions_before: dict[int, int] = {}
+        #: Whether the recorded region wrote a watched parameter; whether it went on watched, its budget spent.
+        self.wrote_parameter = self.over_budget = False
         #: Whether the region is watched, not recorded (no watched parameter written yet).
         self.watching = False
         # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
         # f_lasti then).
-        self._ring: deque[tuple[Any, tuple[Any, ...], dict[str, Any], Any, FrameType | None, int, int]] = deque(
+        self._ring: deque[_Entry] = deque(
             maxlen=RING)
+        # The user's in-place writes of a gradient, in order, the ring's too (told apart at the claim, by id): kept
+        # for the step's claim of a gradient (its write, replayed from its copy), with the bytes of their operands.
+        self._writes_bytes, self._writes_left = 0, WRITES_KEPT
+        self._writes: list[_Entry] = []
 
     def watch(self) -> None:
         """Watch the update region: record it only from its first write of a watched parameter."""
@@ -134,8 +169,11 @@ class UpdateRecorder(OutsideRecorder):
     def forget(self, last: bool = False, stepping: bool = False) -> None:
         super().forget(last, stepping)
         self._copied = 0
-        self.read_number = False
+        self.read_number = self.wrote_parameter = self.over_budget = False
         self._ring.clear()
+        if self._writes:
+            self._writes.clear()
+            self._writes_bytes, self._writes_left = 0, WRITES_KEPT
         if self.versions_before:
             self.versions_before.clear()
 
@@ -159,29 +197,56 @@ class UpdateRecorder(OutsideRecorder):
             else:
                 # The caller's code is looked up here first (_users, inlined): a library function's
                 # (clip_grad_norm_'s) runs most of a watched region's ops.
-                caller = sys._getframe(1)
+                caller, library = sys._getframe(1), None
                 known = _CALLERS.get(id(caller.f_code))
                 frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
                          ) if known is not None else _users(caller)
                 if plan is not None and frame is not None:  # the user's own write of a gradient (not a library's)
                     self._keep_written(written)
+                elif plan is not None:  # a library's write (clip_grad_norm_'s _foreach_mul_, a GradScaler's unscale)
+                    # Kept with the user's call of the library, at its line (one short walk, once a call: its ops
+                    # before take it at a claim, _record_ring); copied first where given a non-finite number.
+                    library = frame = _beyond_library(caller.f_back)  # (caller: the library's)
+                    for arg in args:
+                        if type(arg) is float and not math.isfinite(arg):  # clip_grad_value_(params, nan)
+                            self._keep_written(written)
+                            break
                 try:
                     out = call(*args, **kwargs)
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
                     out = run_op(func, args, kwargs)
                 self._clean = False
-                self._ring.append((func, tuple(args), kwargs, out, frame,
-                                   line_at(frame) if frame else 0, frame.f_lasti if frame else -1))
+                entry = (func, tuple(args), kwargs, out, frame, line_at(frame) if frame else 0,
+                         frame.f_lasti if frame else -1, library)
+                self._ring.append(entry)
+                if plan is not None and frame is not None and library is None and self._writes_left:
+                    # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the operands
+                    # it holds (a norm, a count) while within KEEP_TOTAL bytes a region: a large temporary (a mask the
+                    # gradient is multiplied by) is not held, as unwatched, and its write goes unnamed past the ring.
+                    size = 0
+                    for arg in args[1:]:
+                        if type(arg) is torch.Tensor:
+                            size += arg.nbytes
+                    if self._writes_bytes + size <= KEEP_TOTAL:
+                        self._writes_bytes += size
+                        self._writes_left -= 1
+                        self._writes.append(entry)
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
             if on_parameters(self._storages(), self._parameter_of, written):
+                self.wrote_parameter = True
                 for tensor in written:
                     if isinstance(tensor, torch.Tensor):
                         self._copy(tensor)
-            elif _users(sys._getframe(1)) is not None:
-                self._keep_written(written)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            elif _users(sys._getframe(1)) is not None or _number_not_finite(args):
+                self._keep_written(written)  # (the user's own write; a library's of a non-finite number given it)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._budget == 0 and not self.wrote_parameter and self._region == "update" and self.pushed:
+            # Its budget spent, no parameter written (a LARS helper over hundreds of parameters): the region goes on
+            # watched (its ring, the user's gradient writes kept past it), not unrecorded for the rest of the run.
+            self.watching = self.over_budget = True
+        return out
 
     def _keep_written(self, written: Sequence[Any]) -> None:
         """Copy what the user's own update code is about to write in place (not a parameter: a gradient, by
@@ -218,7 +283,24 @@ class UpdateRecorder(OutsideRecorder):
     def _record_ring(self) -> None:
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
         self._clean = False
-        for func, args, kwargs, out, frame, lineno, lasti in self._ring:
+        ring = self._ring
+        if self._writes:  # (the kept writes the ring no longer holds, older than its ops)
+            in_ring = set(map(id, ring))
+            kept: list[_Entry] = [
+                *(entry for entry in self._writes if id(entry) not in in_ring), *ring]
+        else:
+            kept = list(ring)
+        calling: tuple[FrameType | None, int, int] = (None, 0, -1)
+        for at in range(len(kept) - 1, -1, -1):  # (a library's ops take the line of its write, that called it)
+            func, args, kwargs, out, frame, lineno, lasti, library = kept[at]
+            if library is not None:
+                calling = frame, lineno, lasti
+            elif frame is None:
+                if calling[0] is not None:
+                    kept[at] = (func, args, kwargs, out, *calling, None)
+            else:
+                calling = (None, 0, -1)
+        for func, args, kwargs, out, frame, lineno, lasti, _library in kept:
             self._ops.append(RecordedOp(func, args, kwargs, out, frame.f_code if frame else None, lineno,
                                         frame.f_globals if frame else None, lasti, frame))
             index = len(self._ops) - 1
@@ -226,8 +308,39 @@ class UpdateRecorder(OutsideRecorder):
                 if isinstance(tensor, torch.Tensor):
                     self._produced[id(tensor)] = index
         self._n_ops = len(self._ops)
-        self._budget -= len(self._ring)
+        self._budget -= len(kept)
         self._ring.clear()
+        self._writes.clear()
+        self._writes_bytes, self._writes_left = 0, WRITES_KEPT
+
+    def claim_written(self, gradient: torch.Tensor) -> OpFinding | None:
+        """The op that made ``gradient`` non-finite where :meth:`claim` finds none by the tensor itself: the last
+        recorded op that wrote its memory in place through another tensor object (``p.grad.data.div_(n)``: ``.data``
+        is a new tensor over the same storage, the DDP tutorial's averaging by hand) or in a list
+        (``torch._foreach_div_(grads, n)``, ``clip_grad_value_``'s ``_foreach_clamp_min_``: a foreach op returns
+        nothing), its records replayed up to that write. Matched by memory, at an event only."""
+        if gradient.layout is not torch.strided or not gradient.numel() or not self._ops:
+            return None
+        address, start = gradient.untyped_storage().data_ptr(), gradient.data_ptr()
+        end = start + gradient.numel() * gradient.element_size()
+        ops = self._ops
+        for index in range(len(ops) - 1, -1, -1):
+            func = ops[index].func
+            plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
+            if plan is None or not plan.writes:
+                continue
+            for value in written_by(plan, ops[index].args, ops[index].kwargs):
+                tensor = value.ref() if isinstance(value, WeakRecord) else value
+                if (isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.numel()
+                        and tensor.untyped_storage().data_ptr() == address and tensor.data_ptr() < end
+                        and start < tensor.data_ptr() + tensor.numel() * tensor.element_size()):
+                    key, before = record_key(value), self.before
+                    if key in before and id(gradient) not in before and before[key].shape == gradient.shape:
+                        # ``p.grad.data`` is recorded as a detach of the gradient: the replay makes it again from
+                        # the gradient, whose value before the write is the one copied under the alias written.
+                        before = {**before, id(gradient): before[key]}
+                    return self._claim_ops(list(ops[: index + 1]), self._rng, before, key)
+        return None
 
     def _copy(self, tensor: torch.Tensor) -> None:
         parameter = self._parameter_of(tensor)
