@@ -1,0 +1,258 @@
+"""hunt_s38, incidents of families the contract had not seen, each a small training loop with its healthy twin.
+
+Distributions and losses: a KL penalty between two ``Categorical`` policies whose illegal actions both carry ``-inf``
+logits (``torch.distributions``' own formula is finite forward, but its backward is ``0 * (-inf - -inf)``), fixed by
+filling ``torch.finfo.min``; behaviour cloning by ``Categorical(logits=masked).log_prob`` of a demonstrated action the
+legal-action mask now forbids (``-inf`` log-likelihood); a segmentation cross-entropy with a class weight of 0 for
+the void class over a crop that is all void (``0 / 0`` of the weighted mean); multi-task uncertainty weighting with the
+task scales ``sigma`` initialised to 0 (``L / (2 sigma^2)``). Schedules: an inverse-square-root learning rate made with
+numpy over ``np.arange(steps)`` (``0 ** -0.5`` is ``inf`` in numpy: the first SGD step writes ``-inf * grad``).
+Attention: a hand-written causal attention over a left-padded batch (the pad queries see only pad keys: a fully
+masked row), whose twin calls ``F.scaled_dot_product_attention`` with the same boolean mask (torch returns 0 for a
+fully masked row). Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.distributions import Categorical, kl_divergence
+from torch.nn import functional as F
+
+from contract import Case, Expect, Scenario
+from contract.loops import batches as _batches
+from contract.loops import sgd_loop as _loop
+
+
+# ---------------------------------------------------------------- KL between two masked Categorical policies
+class MaskedPolicy(nn.Module):
+    """A policy over 5 actions whose illegal actions are filled with ``fill`` (``-inf``, or ``finfo.min``)."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.net, self.fill = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5)), fill
+
+    def forward(self, x: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        return self.net(x).masked_fill(~legal, self.fill)
+
+
+def _policy_kl(fill: float) -> Scenario:
+    """A KL penalty to a frozen reference policy (``kl_divergence(Categorical(logits=new), Categorical(logits=ref))``),
+    both masked by the same legal actions. Until step 2 every action is legal; step 2 holds a state with two illegal
+    actions: torch's ``_kl_categorical_categorical`` computes ``p.probs * (p.logits - q.logits)`` (``0 * (-inf -
+    -inf)``, NaN) and overwrites it with 0 where ``p.probs == 0``; the forward is finite, but the product's backward is
+    ``0 * NaN`` into ``p.probs``, and the softmax spreads it over the row. The twin fills ``torch.finfo.min``."""
+    torch.manual_seed(0)
+    model, reference = MaskedPolicy(fill), MaskedPolicy(fill)
+    xs = _batches(4, 6)
+    legal = [torch.ones(4, 5, dtype=torch.bool) for _ in range(4)]
+    legal[2][1, 3:] = False
+    advantages = [torch.randn(4) for _ in range(4)]
+    actions = [torch.tensor([0, 1, 2, 1]) for _ in range(4)]
+
+    def loss(logits: torch.Tensor, step: int) -> torch.Tensor:
+        with torch.no_grad():
+            ref = reference(xs[step], legal[step])
+        new = Categorical(logits=logits)
+        pg = -(new.log_prob(actions[step]) * advantages[step]).mean()
+        return pg + 0.1 * kl_divergence(new, Categorical(logits=ref)).mean()  # producer: policy kl
+
+    return _loop(model, lambda step: (xs[step], legal[step]), loss)
+
+
+# ---------------------------------------------------------------- behaviour cloning of a now-illegal action
+def _cloning(mask_keeps_demo: bool) -> Scenario:
+    """Behaviour cloning, ``-Categorical(logits=policy(obs, legal)).log_prob(demo_action)``. The demonstrations were
+    logged under an older rule set: at step 2 a demonstrated action is one the current legal-action mask forbids, so
+    its logit is ``-inf`` and its log-likelihood too. The twin keeps the demonstrated action legal."""
+    torch.manual_seed(0)
+    model = MaskedPolicy(float("-inf"))
+    xs = _batches(4, 6)
+    demos = [torch.randint(0, 5, (4,)) for _ in range(4)]
+    legal = [torch.ones(4, 5, dtype=torch.bool) for _ in range(4)]
+    for step in range(4):
+        legal[step][:, 4] = False
+        demos[step] = demos[step].clamp_max(3)
+    demos[2][2] = 4
+    if mask_keeps_demo:
+        for step in range(4):
+            legal[step][torch.arange(4), demos[step]] = True
+
+    def loss(logits: torch.Tensor, step: int) -> torch.Tensor:
+        return -Categorical(logits=logits).log_prob(demos[step]).mean()  # producer: cloning
+
+    return _loop(model, lambda step: (xs[step], legal[step]), loss)
+
+
+# ---------------------------------------------------------------- a void class of weight 0 over an all-void crop
+class TinySegmenter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _void_weight(guarded: bool) -> Scenario:
+    """Semantic segmentation with class weights ``[0, 1, 1, 1]`` (class 0 is 'void': unlabelled pixels). Random
+    crops; step 2's crop falls wholly in an unlabelled region: every pixel is void, the weighted mean divides a sum
+    of 0 by a total weight of 0. The twin sums and divides by the total weight clamped to at least 1."""
+    torch.manual_seed(0)
+    model = TinySegmenter()
+    xs = _batches(2, 3, 6, 6)
+    ys = [torch.randint(0, 4, (2, 6, 6)) for _ in range(4)]
+    ys[2].zero_()
+    weight = torch.tensor([0.0, 1.0, 1.0, 1.0])
+
+    def loss(logits: torch.Tensor, step: int) -> torch.Tensor:
+        if guarded:
+            total = F.cross_entropy(logits, ys[step], weight=weight, reduction="sum")
+            return total / weight[ys[step]].sum().clamp_min(1.0)
+        return F.cross_entropy(logits, ys[step], weight=weight)  # producer: void weight
+
+    return _loop(model, lambda step: (xs[step],), loss)
+
+
+# ---------------------------------------------------------------- uncertainty weighting with sigma initialised to 0
+class TwoTaskNet(nn.Module):
+    """Two regression heads and Kendall et al.'s task weighting, by ``sigma`` itself or by ``log sigma^2``."""
+
+    def __init__(self, by_log: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU())
+        self.heads = nn.Linear(16, 2)
+        self.by_log = by_log
+        self.task_scale = nn.Parameter(torch.zeros(2))  # sigma (or log sigma^2), initialised as the paper's log_vars
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        per_task = (self.heads(self.body(x)) - y).pow(2).mean(0)
+        if self.by_log:
+            return (torch.exp(-self.task_scale) * per_task + self.task_scale).sum() / 2
+        sigma = self.task_scale
+        return (per_task / (2 * sigma**2) + torch.log(sigma.abs() + 1)).sum()  # producer: task weighting
+
+
+def _uncertainty(by_log: bool) -> Scenario:
+    """The weights were initialised to zeros, as the paper's ``log sigma^2`` is, but the loss divides by ``sigma^2``
+    itself: ``L / 0`` at the first step. The twin weights by ``exp(-log sigma^2)``."""
+    torch.manual_seed(0)
+    model = TwoTaskNet(by_log)
+    xs, ys = _batches(5, 6), _batches(5, 2)
+    return _loop(model, lambda step: (xs[step], ys[step]), lambda loss, step: loss, lr=1e-3)
+
+
+# ---------------------------------------------------------------- an inverse-square-root schedule by numpy
+def _numpy_schedule(shifted: bool) -> Scenario:
+    """``lrs = 0.05 * np.arange(steps, dtype=float) ** -0.5``, set into the param group each step: numpy makes
+    ``0.0 ** -0.5`` ``inf`` (with a RuntimeWarning), and the first SGD step adds ``-inf * grad`` to every weight. The
+    twin counts steps from 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    xs, ys = _batches(4, 6), [torch.randint(0, 2, (4,)) for _ in range(4)]
+    with np.errstate(divide="ignore"):
+        lrs = 0.05 * (np.arange(4, dtype=float) + (1.0 if shifted else 0.0)) ** -0.5
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            for group in opt.param_groups:
+                group["lr"] = float(lrs[step])
+            loss = F.cross_entropy(model(xs[step]), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # producer: numpy lr
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+# ---------------------------------------------------------------- causal attention over a left-padded batch
+class LeftPaddedAttention(nn.Module):
+    """One causal self-attention head with a key padding mask, by hand or by ``scaled_dot_product_attention``."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.qkv, self.out, self.fused = nn.Linear(8, 24), nn.Linear(8, 8), fused
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        n = x.shape[1]
+        allowed = torch.ones(n, n, dtype=torch.bool).tril() & keep[:, None, :]
+        if self.fused:
+            return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # producer: left padded
+        return self.out(weights @ v)
+
+
+class TinyDecoder(nn.Module):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.attn = LeftPaddedAttention(fused)
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.attn(self.embed(ids), keep))
+
+
+def _left_padded(fused: bool) -> Scenario:
+    """A decoder fine-tuned on prompts padded on the left (as a generation-time tokenizer pads them), the loss taken
+    on the last token only. Until step 2 the batches hold full-length prompts; step 2 holds a short one: its pad
+    queries may attend only to earlier pad keys, so their rows are fully masked and the softmax is ``0 / 0``. The
+    twin uses ``F.scaled_dot_product_attention`` with the same boolean mask: torch gives 0 for a fully masked row."""
+    torch.manual_seed(0)
+    model = TinyDecoder(fused)
+    ids = [torch.randint(1, 16, (3, 5)) for _ in range(4)]
+    keep = [torch.ones(3, 5, dtype=torch.bool) for _ in range(4)]
+    keep[2][1, :2] = False
+    ids[2][1, :2] = 0
+    targets = [torch.randint(1, 16, (3,)) for _ in range(4)]
+    return _loop(model, lambda step: (ids[step], keep[step]),
+                 lambda logits, step: F.cross_entropy(logits[:, -1], targets[step]))
+
+
+_KL_TIERED = (
+    "the report reads phase optimizer, module net.0, step 2 ('the SGD step made net.0.weight 96 nan', cause "
+    "unclassified; deferred: phase forward at step 3, parameter-already-nonfinite), where the NaN is the backward of "
+    "torch's _kl_categorical_categorical (``0 * (-inf - -inf)`` into p.probs): the step replay of the gradient event "
+    "meets the policy's -inf fill first, reports the deliberate infinity, and marks the gradient event benign "
+    "(lifecycle/events.py: report.benign from the replay), so the NaN gradient passes the backward check and only the "
+    "parameter check after opt.step() fires. mode='full' and ops=True say backward at step 2")
+
+CASES = [
+    Case("hunt_s38_kl_between_masked_categorical_policies", lambda: _policy_kl(float("-inf")),
+         Expect("backward", None, step=2, op="aten.mul.Tensor", marker="policy kl", op_modes=("ops",),
+                says=(("full", "watch with ops=True"),)), modes=("full", "ops")),
+    Case("hunt_s38_kl_between_masked_categorical_policies_tiered", lambda: _policy_kl(float("-inf")),
+         Expect("backward", None, step=2), modes=("default", "defer"),
+         marks=(pytest.mark.xfail(strict=True, reason=_KL_TIERED),)),
+    Case("hunt_s38_kl_between_policies_masked_with_finfo_min_healthy",
+         lambda: _policy_kl(torch.finfo(torch.float32).min), None),
+    Case("hunt_s38_behaviour_cloning_of_a_now_illegal_action", lambda: _cloning(False),
+         Expect("forward", None, step=2, op="aten.gather.default", marker="cloning", cause="masked-softmax")),
+    Case("hunt_s38_behaviour_cloning_mask_keeps_the_demo_action_healthy", lambda: _cloning(True), None),
+    Case("hunt_s38_void_class_weight_zero_over_an_all_void_crop", lambda: _void_weight(False),
+         Expect("forward", None, step=2, op="aten.nll_loss2d_forward.default", marker="void weight",
+                cause="empty-reduction")),
+    Case("hunt_s38_void_class_weight_zero_total_clamped_healthy", lambda: _void_weight(True), None),
+    Case("hunt_s38_uncertainty_weighting_by_sigma_initialised_to_zero", lambda: _uncertainty(False),
+         Expect("forward", "", "TwoTaskNet", step=0, op="aten.div.Tensor", marker="task weighting",
+                cause="division-by-zero")),
+    Case("hunt_s38_uncertainty_weighting_by_log_variance_healthy", lambda: _uncertainty(True), None),
+    Case("hunt_s38_numpy_inverse_sqrt_lr_from_step_zero", lambda: _numpy_schedule(False),
+         Expect("optimizer", "0", "Linear", step=0, op="aten.add_.Tensor", marker="numpy lr",
+                cause="learning-rate-too-high")),
+    Case("hunt_s38_numpy_inverse_sqrt_lr_from_step_one_healthy", lambda: _numpy_schedule(True), None),
+    Case("hunt_s38_causal_attention_over_a_left_padded_prompt", lambda: _left_padded(False),
+         Expect("forward", "attn", "LeftPaddedAttention", step=2, op="aten._softmax.default", marker="left padded",
+                cause="masked-softmax")),
+    Case("hunt_s38_left_padded_prompt_through_sdpa_healthy", lambda: _left_padded(True), None),
+]
