@@ -8,7 +8,8 @@ the backward (torch masks ``grad / 0``). Modules and optimizers rarely seen: ``n
 ``ASGD``, ``Adadelta``, ``Rprop``, ``NAdam`` with decoupled weight decay, schedulers chained by ``SequentialLR``
 (linear warm-up from 1e-3 of the lr, then cosine), param groups with a frozen group under weight decay, and an
 ``nn.TransformerEncoder`` evaluated under ``no_grad`` in eval mode (its nested-tensor fast path over padded batches)
-inside the training loop.
+inside the training loop. Distributions rarely seen: a mixture density network whose mixture logits switch components
+off with ``-inf``, ``ContinuousBernoulli`` of saturated logits, ``VonMises`` with a large concentration.
 """
 
 from __future__ import annotations
@@ -220,6 +221,58 @@ def _encoder_eval_inside_training() -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- distributions rarely seen
+def _mdn_masked_components() -> Scenario:
+    """A mixture density network, ``MixtureSameFamily(Categorical(logits=pi), Normal(mu, sigma))``, with 2 of its 5
+    components switched off for some samples by ``-inf`` mixture logits (a curriculum grows the mixture)."""
+    torch.manual_seed(0)
+    model = _mlp(4, 15)
+    xs, ys = _batches(6, 4), _batches(6)
+    active = torch.ones(6, 5, dtype=torch.bool)
+    active[::2, 3:] = False
+
+    def nll(out: torch.Tensor, step: int) -> torch.Tensor:
+        pi, mu, log_sigma = out.chunk(3, -1)
+        mixture = torch.distributions.MixtureSameFamily(
+            Categorical(logits=pi.masked_fill(~active, float("-inf"))),
+            torch.distributions.Normal(mu, F.softplus(log_sigma) + 1e-3))
+        return -mixture.log_prob(ys[step]).mean()
+
+    return _loop(model, lambda step: (xs[step],), nll, lr=1e-3)
+
+
+def _continuous_bernoulli() -> Scenario:
+    """A VAE decoder's likelihood by ``ContinuousBernoulli(logits=...)`` over pixels in [0, 1], some logits saturated
+    at +-60 (torch clamps the probabilities and expands the normaliser near 1/2)."""
+    torch.manual_seed(0)
+    model = _mlp(6, 8)
+    xs = _batches(4, 6)
+    pixels = [torch.rand(4, 8) for _ in range(4)]
+    push = torch.zeros(4, 8)
+    push[0, :2], push[1, 2:4] = 60.0, -60.0
+
+    def nll(out: torch.Tensor, step: int) -> torch.Tensor:
+        dist = torch.distributions.ContinuousBernoulli(logits=out + push)
+        return -dist.log_prob(pixels[step]).sum(-1).mean()
+
+    return _loop(model, lambda step: (xs[step],), nll, lr=1e-3)
+
+
+def _von_mises() -> Scenario:
+    """Wind direction regression by ``VonMises(loc, concentration)``, the concentration by ``softplus`` (large for
+    confident samples: torch's ``i0e`` keeps its normaliser finite)."""
+    torch.manual_seed(0)
+    model = _mlp(6, 2)
+    xs = _batches(6, 6)
+    angles = [torch.rand(6) * 6.28 - 3.14 for _ in range(4)]
+
+    def nll(out: torch.Tensor, step: int) -> torch.Tensor:
+        dist = torch.distributions.VonMises(out[:, 0], F.softplus(out[:, 1] * 50.0) + 1e-3)
+        return -dist.log_prob(angles[step]).mean()
+
+    return _loop(model, lambda step: (xs[step],), nll, lr=1e-3)
+
+
 CASES = [
     Case("calm_s38_ctc_mean_over_an_empty_transcript", _ctc_empty_transcript, None),
     Case("calm_s38_bce_of_a_sigmoid_saturated_to_exactly_0_and_1", _bce_saturated, None),
@@ -236,4 +289,7 @@ CASES = [
     Case("calm_s38_sequential_lr_linear_warmup_then_cosine", _sequential_lr, None),
     Case("calm_s38_frozen_param_group_under_weight_decay", _frozen_group, None),
     Case("calm_s38_transformer_encoder_fast_path_eval_inside_training", _encoder_eval_inside_training, None),
+    Case("calm_s38_mixture_density_with_components_masked_by_minus_inf", _mdn_masked_components, None),
+    Case("calm_s38_continuous_bernoulli_of_saturated_logits", _continuous_bernoulli, None),
+    Case("calm_s38_von_mises_with_a_large_concentration", _von_mises, None),
 ]
