@@ -12,6 +12,8 @@ masked row), whose twin calls ``F.scaled_dot_product_attention`` with the same b
 fully masked row). Counts: ``-Poisson(relu(out)).log_prob(k)`` of a shop the ReLU rate puts at exactly 0 that sold
 items (``xlogy(k, 0)``). Structure: class-incremental learning whose new classifier rows, appended as zeros, the loop
 renormalises in place under ``no_grad`` (the loop's code, not the optimizer, made the parameter NaN).
+Precision: a float16 attention (inference, no optimizer) with HF's additive mask of ``finfo(float16).min`` over an
+empty sample: ``min + score`` rounds to ``-inf`` where the score is below -16 (the twin: SDPA with the same mask).
 Each twin applies its users' fix and must stay silent and bit-identical, in every mode.
 """
 
@@ -298,6 +300,49 @@ def _poisson_rate(smooth: bool) -> Scenario:
     return _loop(model, lambda step: (xs[step],), nll, lr=1e-3)
 
 
+# ---------------------------------------------------------------- a float16 additive mask of finfo.min
+class HalfMaskedAttention(nn.Module):
+    """Self-attention in float16 with an additive padding mask of ``finfo(float16).min``, as HF models build it."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.qkv, self.fused = nn.Linear(8, 24), fused
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        bias = torch.zeros(keep.shape, dtype=x.dtype).masked_fill(~keep, torch.finfo(x.dtype).min)[:, None, :]
+        if self.fused:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(8) + bias  # producer: half mask
+        return scores.softmax(-1) @ v
+
+
+def _half_mask(fused: bool) -> Scenario:
+    """A float16 model (``model.half()``) over batches with padding; step 2 holds an empty sample (every key padded,
+    a blank line the collator kept): ``finfo.min`` plus a negative score rounds to ``-inf`` in float16, and the row is
+    all ``-inf``, its softmax NaN. The twin calls ``F.scaled_dot_product_attention`` with the same mask."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    attn = HalfMaskedAttention(fused)
+    model.add_module("attn", attn)
+    model = model.half()
+    xs = [torch.randn(3, 4, 8).half() for _ in range(4)]
+    keep = [torch.ones(3, 4, dtype=torch.bool) for _ in range(4)]
+    for k in keep:
+        k[0, 3:] = False
+    keep[2][1] = False
+    with torch.no_grad():  # the empty sample's scores all negative: finfo.min + score overflows on any kernel
+        attn.qkv.bias.zero_()
+        xs[2][1] = 0.0
+        attn.qkv.bias[:8] = 4.0
+        attn.qkv.bias[8:16] = -4.0
+
+    def run() -> list[torch.Tensor]:
+        return [attn(xs[step], keep[step]).float().sum() for step in range(4)]
+
+    return Scenario((attn,), run)
+
+
 CASES = [
     Case("hunt_s38_kl_between_masked_categorical_policies", lambda: _policy_kl(float("-inf")),
          Expect("backward", None, step=2, op="aten.mul.Tensor", marker="policy kl",
@@ -330,4 +375,8 @@ CASES = [
     Case("hunt_s38_poisson_log_prob_of_a_relu_rate_of_zero", lambda: _poisson_rate(False),
          Expect("forward", None, step=2, op="aten.xlogy.Tensor", marker="rate", cause="log-domain")),
     Case("hunt_s38_poisson_log_prob_of_a_softplus_rate_healthy", lambda: _poisson_rate(True), None),
+    Case("hunt_s38_float16_finfo_min_mask_of_an_empty_sample", lambda: _half_mask(False),
+         Expect("forward", "", "HalfMaskedAttention", step=2, op="aten.add.Tensor", marker="half mask",
+                cause="half-precision-overflow")),
+    Case("hunt_s38_float16_finfo_min_mask_through_sdpa_healthy", lambda: _half_mask(True), None),
 ]
