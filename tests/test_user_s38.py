@@ -10,12 +10,15 @@ autocast). The stable remedy fused only ``log(sigmoid(z))`` into ``logsigmoid(z)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 import nan_magic
 from nan_magic.records import Report
+from nan_magic.render.edits import suggested_edit
 
 
 def bce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -54,12 +57,47 @@ def test_the_log_of_one_minus_a_sigmoid_that_rounded_to_one_is_fused_into_logsig
     assert "stable: log(1 - sigmoid(x)) computed as F.logsigmoid(-x)" in text, text
 
 
+def bce_one_line(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -(y * torch.log(torch.sigmoid(logits)) + (1 - y) * torch.log(1 - torch.sigmoid(logits))).mean()
+
+
+@pytest.mark.parametrize("loss_fn", [bce, bce_one_line], ids=["two-lines", "one-line"])
+def test_a_sigmoid_that_rounded_to_zero_is_still_the_log_of_the_sigmoid_fused(
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """The other direction: logits near -120 for positive labels, the sigmoid 0, log(p) the -inf and log(1 - p)
+    finite. Both logs are fused in the trial; the form said, and the edit, are the -inf's (review of user-s38: it
+    read 'log(1 - sigmoid(x)) ... where the sigmoid rounded to 1' and the one-line BCE lost its edit)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.bias.fill_(-120.0)
+        model.weight.mul_(0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 4), torch.ones(8, 3)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt):
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = caught.value.report
+    (stable,) = [trial for trial in report.fixes if trial.kind == "stable"]
+    assert stable.finite is True and stable.fact("form") == "logsigmoid", stable
+    text = report.to_text()
+    assert "stable: the log of the sigmoid fused into logsigmoid -> verified" in text, text
+    assert "rounded to 1" not in text
+    edit = suggested_edit(stable)
+    if loss_fn is bce_one_line:  # (the sigmoid called on the log's line: the edit rewrites it there)
+        assert edit is not None and "torch.nn.functional.logsigmoid(logits)" in edit, edit
+    else:
+        assert edit is None, edit
+
+
 def test_the_log_domain_cause_says_how_a_sigmoid_s_log_is_computed_from_logits() -> None:
     # Was "... or use log_softmax / logsumexp / log_ndtr for log-probabilities (logdet for a determinant)": nothing
     # for the log of a sigmoid's probability, the commonest hand-written log of a probability
     cause = _report(autocast=True).to_text().split("\n\n")[1]
-    assert "or use log_softmax / logsumexp / log_ndtr / logsigmoid for log-probabilities (F.logsigmoid(-z) for " \
-        "log(1 - sigmoid(z)); logdet for a determinant)" in cause, cause
+    assert "or use log_softmax / logsumexp / log_ndtr / logsigmoid(z) / logsigmoid(-z) for log-probabilities " \
+        "(logdet for a determinant)" in cause, cause
 
 
 @pytest.mark.xfail(strict=True, reason=(

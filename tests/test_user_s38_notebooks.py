@@ -274,7 +274,8 @@ def test_the_bert_tagger_under_bfloat16_autocast_whose_sigmoid_rounds_to_one(tmp
     assert "Cell In[6], line 6" in short and "producer: Cell In[4], line 3, in bce" in short and len(short) <= 8, short
     summary = cell_text(named_cell(nb, "summary")).splitlines()
     assert summary[0] == "forward None aten.log.default 3 0" and summary[1].startswith("log-domain: log got 48 zeros")
-    assert summary[1].endswith("(F.logsigmoid(-z) for log(1 - sigmoid(z)); logdet for a determinant)"), summary
+    assert summary[1].endswith("logsigmoid(z) / logsigmoid(-z) for log-probabilities (logdet for a determinant)"), \
+        summary
     # Was "stable False the log of the sigmoid fused into logsigmoid": log(p), finite already, fused, log(1 - p) not
     assert summary[2] == ("stable True log(1 - sigmoid(x)) computed as F.logsigmoid(-x) (as "
                           "F.binary_cross_entropy_with_logits does), where the sigmoid rounded to 1"), summary

@@ -117,6 +117,8 @@ class StableFix:
         #: The form used, for the description: ``"max-subtracted exp"``, ``"log_softmax"``, ``"logsigmoid"`` or
         #: ``"log_ndtr"``.
         self.form: str | None = None
+        #: Whether :attr:`form` and :attr:`at_line` are a fused log's whose operand held a 0 (its -inf).
+        self._from_zero = False
         #: The seconds :func:`changes_value`'s second replay took (the trial's time includes them).
         self.checked = 0.0
 
@@ -204,8 +206,12 @@ class StableFix:
             known = self._logged.get(id(operand))
             if known is None or known.ref() is not operand or known.fused is None:
                 return None
-            # (a BCE's two logs: the form said is the complement's where one was fused, log(1 - p) being the -inf)
-            self.form = known.form if self.form != "logsigmoid(-x)" else self.form
+            # (a BCE's two logs, log(p) and log(1 - p), both fused: the form said, and whether the edit is at the
+            # line, are those of the log whose operand held the 0 that made the -inf, not of the one finite as it was)
+            zero = bool((operand.detach() == 0).any())
+            said = zero or not self._from_zero
+            if said:
+                self.form = known.form
             if known.is_written(operand):
                 self.declined = "written"
                 return None
@@ -213,7 +219,10 @@ class StableFix:
             if not _same_probability(fused, operand):
                 self.declined = "differs"
                 return None
-            self.at_line = known.at_line and self.at_line is not False
+            if zero and not self._from_zero:
+                self.at_line, self._from_zero = known.at_line, True
+            elif said:
+                self.at_line = known.at_line and self.at_line is not False
             return fused
         return None
 

@@ -30,7 +30,7 @@ def log_hint(event: Report, cause: Cause) -> str:
     return (
         f"{base} got {bad} in {input_named(event, zeros, negatives)}: {signs}; clamp to "
         f"eps first (x.clamp_min({suggested_eps(event)})){half}, or use log_softmax / logsumexp / log_ndtr / "
-        "logsigmoid for log-probabilities (F.logsigmoid(-z) for log(1 - sigmoid(z)); logdet for a determinant)"
+        "logsigmoid(z) / logsigmoid(-z) for log-probabilities (logdet for a determinant)"
     )
 
 
