@@ -55,11 +55,8 @@ def test_the_helper_rows_line_is_the_helpers_file() -> None:
 
 
 # ---------------------------------------------------------------- a backward op's operands read alike, node or none
-@pytest.mark.xfail(strict=True, reason=(
-    "the immediate watch reads 'unclassified' (in the backward of MmBackward0) and the deferred check, whose replay "
-    "names no node, reads 'division-by-zero': reading every backward op's operands as forward code's when the node "
-    "is known read the boundary gradient's counts as the op's (acosh at 1: 'sqrt got negatives in aten.rsqrt'; "
-    "hypot at (0, 0): 'add eps' to hypot's own result) and was taken back (test_review_s33_defer_user.py)"))
+# (defer-s38: read only where the node's own formula divides by nothing, a matmul's: explain/diagnose._LINEAR; a
+# node whose formula divides, acosh's or hypot's, keeps its reading: test_review_s33_defer_user.py.)
 def test_a_division_by_a_zero_norm_in_a_double_backward_is_read_alike_immediate_and_deferred() -> None:
     """Hutchinson's trace (``autograd.grad(..., create_graph=True)``) through ``F.normalize`` of a black image: the
     division by its zero norm makes the NaN. The immediate watch's live trace names the node it ran under

@@ -280,7 +280,21 @@ def _backward(report: Report) -> Cause:
     if node is None and report.op is not None and report.op_inputs and (
             cause := forward_cause(report)).label != "unclassified":
         return cause  # loop code between backward() and the step wrote the gradient (a rescale): its operands say why
+    if node is not None and node_function(node) in _LINEAR and report.op is not None and report.op_inputs and (
+            cause := forward_cause(report)).label == "division-by-zero":
+        # A division by an exact 0 under a node whose backward formula divides by nothing (a matmul's): not that
+        # formula's, but a Hessian-vector product's second backward differentiating a norm's ``grad / ||h||`` at
+        # ``||h|| = 0`` while the engine runs ``MmBackward0``. Its operands say why, as where the deferred check's
+        # replay names no node. (A node whose formula divides, hypot's or acosh's, keeps the node's reading:
+        # test_review_s33_defer_user.py.)
+        return cause
     return event_cause("unclassified", "backward-unmatched", report)
+
+
+#: Forward functions whose backward formulas divide by nothing (products, sums, views): a division that runs under
+#: their node is some other formula's, differentiated again (``create_graph=True``).
+_LINEAR = frozenset({"mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "matmul", "add", "sub", "neg", "sum", "t",
+                     "transpose", "permute", "view", "reshape", "expand", "unsqueeze", "squeeze", "cat", "stack"})
 
 
 def _python_backward(node: str) -> bool:

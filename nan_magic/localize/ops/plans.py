@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "Plan",
     "arguments",
     "flatten",
     "is_number",
+    "is_wrapped_number",
     "list_positions",
     "literal_numbers",
     "narrows",
@@ -350,6 +352,27 @@ def _rewrapped(
     new_args += list(args[len(new_args):])
     new_kwargs = {name: wrap(name, value) for name, value in kwargs.items()}
     return (new_args, new_kwargs) if found else None
+
+
+class _FirstArgument(TorchDispatchMode):
+    """Takes the first argument of the op it sees, and runs nothing."""
+
+    seen: Any = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen = args[0] if args else None
+
+
+def is_wrapped_number(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a Python number torch wrapped for an op (``loss * math.inf`` saves ``inf`` as a 0-dim
+    float64 ``_saved_other``): no data the loop read, but a number its code passed. torch has no Python test for
+    it; a dispatch mode is handed such a tensor as the number itself (see :func:`run_op`). At an event only."""
+    if tensor.dim() != 0 or tensor.device.type != "cpu" or tensor.dtype not in _WRAPPED_DTYPES.values():
+        return False
+    probe = _FirstArgument()
+    with probe:
+        torch.ops.aten.alias.default(tensor)
+    return not isinstance(probe.seen, torch.Tensor)
 
 
 def op_name(func: torch._ops.OpOverload) -> str:

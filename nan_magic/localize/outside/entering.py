@@ -22,7 +22,10 @@ the hot path, in two places:
   only as a suspect beside the loss code.
 
 A tensor the watch already saw enter a watched model was judged there; an
-additive attention mask (its finite values all 0) is deliberate, not data.
+additive attention mask (its finite values all 0) is deliberate, not data; a
+Python number the code passed (``loss * math.inf``: ``MulBackward0`` saves it
+as a 0-dim float64 tensor) is no data either: the op given it is named, with
+the ``nonfinite-number`` cause, as the recorded ops' arguments show it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from nan_magic.hot.checks.loss_region import loss_region_nodes
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask
-from nan_magic.localize.ops.plans import plan_of, tensors
+from nan_magic.localize.ops.plans import is_wrapped_number, plan_of, tensors
 from nan_magic.localize.outside.recorded_ops import WeakRecord, op_source, record_key
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.records import SourcePointer, TensorRef, TensorRole
@@ -283,5 +286,6 @@ def _is_bad_data(tensor: torch.Tensor) -> bool:
     """A non-finite floating leaf that no code of the step computed with gradients."""
     if tensor.grad_fn is not None or tensor.requires_grad or not is_checkable(tensor):
         return False
-    # An additive attention mask (ops/masks.py) is deliberate, not data.
-    return bool(kinds_of(tensor)) and not is_additive_mask(tensor)
+    # An additive attention mask (ops/masks.py) is deliberate, not data; so is a Python number the code passed
+    # (``loss * math.inf``: its node saved the number as a 0-dim tensor): the op given it is named, as recorded.
+    return bool(kinds_of(tensor)) and not is_additive_mask(tensor) and not is_wrapped_number(tensor)

@@ -1,0 +1,60 @@
+"""A loss scaled by a Python number that is not finite: every mode names the op given it (defer-s38).
+
+``loss = -objective * weight`` with ``weight = math.inf`` from a config: autograd's ``MulBackward0`` saves the number
+as a 0-dim float64 tensor (torch's "wrapped number"). The immediate watches walked the loss code's saved tensors for
+data the loss read and took it for a NaN-coded label: phase ``data``, ``other of MulBackward0``, cause
+``bad-input-data`` (no data was bad). The deferred ones read the recorded ops' arguments, where the number is a
+number, and named ``aten.mul.Tensor`` with the ``nonfinite-number`` cause; now every mode does (ops=True and its
+deferred twin named different phases, ops and tensors). The ``+inf`` twin (a positive objective times ``inf``) is a
+test in tests/test_defer_s38.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from contract import Case, Expect, Scenario
+
+STEPS = 4
+
+
+def _weighted(weight: float, named: bool) -> Scenario:
+    """A maximised objective's loss, ``-(out ** 2).mean() - 1`` (negative on any kernel), weighted by a number the
+    config sets: ``weight`` at step 2, 1.0 at the others."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(5, 4) for _ in range(STEPS)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(STEPS):
+            scale = weight if step == 2 else 1.0
+            objective = model(xs[step]).pow(2).mean() + 1
+            opt.zero_grad()
+            if named:
+                loss = -objective * scale  # producer: named weight
+                loss.backward()
+                losses.append(loss.detach())
+            else:
+                (-objective * scale).backward()  # producer: temporary weight
+            opt.step()
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+def _expect(marker: str) -> Expect:
+    return Expect("forward", None, step=2, op="aten.mul.Tensor", marker=marker, cause="nonfinite-number",
+                  kinds=frozenset({"-inf"}))
+
+
+CASES = [
+    Case("defer_s38_loss_times_a_python_inf_weight_named", lambda: _weighted(math.inf, True), _expect("named weight")),
+    Case("defer_s38_loss_times_a_python_inf_weight_temporary", lambda: _weighted(math.inf, False),
+         _expect("temporary weight")),
+    Case("defer_s38_loss_times_a_finite_weight_healthy", lambda: _weighted(1e3, True), None),
+]
