@@ -2,8 +2,9 @@
 
 Session 37 (lars-s37's first commit, cherry-picked): ``for p in params: p.grad /= p.grad.norm()`` (LARS), a clip
 by hand, DP-SGD's per-sample clip name "code outside any watched module" with the op and line, the gradient's
-owner kept in the tensor field, where the op is found. Where the default watch's update recorder does not find
-the op and ops=True does, the two name different modules (a review found it): strict xfails below say which.
+owner kept in the tensor field, where the op is found. Session 38: also through ``.data``, by a foreach op, by
+``clip_grad_value_`` and by a GradScaler, and a LARS helper over more parameters than the region's ring; strict
+xfails below say where the default watch's update recorder still does not find the op that ops=True names.
 """
 
 from __future__ import annotations
@@ -177,6 +178,29 @@ def test_the_grad_scalers_healthy_twin_is_silent_and_bit_identical(mode: str) ->
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+def _two_libraries(model: nn.Module, size: float) -> None:
+    """A library's read whose result goes straight into another library's write: the mean of an empty batch, 0/0."""
+    n = int(size)
+    total = nn.functional.mse_loss(torch.zeros(n), torch.zeros(n))  # the read
+    nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, total)
+
+
+_BORROWED = pytest.mark.xfail(strict=True, reason=(
+    "default/defer/full, from step 1 on (the update region watched, not recorded): a library's op takes the line of "
+    "the library write right after it (clip_grad_value_'s own ops take the user's clip_grad_value_ line), so "
+    "F.mse_loss's mean, called by the user one line earlier, is named at the clip_grads_with_norm_ line; ops=True "
+    "names the mse_loss line. Telling the two calls apart needs the library frame of every op kept in the ring"))
+
+
+@pytest.mark.filterwarnings("ignore:Mean of empty")
+@pytest.mark.parametrize("mode", [mode if mode.startswith("ops") else pytest.param(mode, marks=_BORROWED)
+                                  for mode in MODE_OPTIONS])
+def test_a_library_read_feeding_another_librarys_write_is_named_at_its_own_line(mode: str) -> None:
+    report = _run(_two_libraries, MODE_OPTIONS[mode])
+    assert (report.module, report.step, report.op) == (None, _BAD_STEP, "aten.mse_loss.default"), report.message
+    assert report.source is not None and report.source.lineno == _line(_two_libraries, "the read"), report.message
+
+
 # -- a LARS-style helper over many parameters (lars-s37's cd4a521e, redone on this base) ---------------------------
 
 MODES = tuple(MODE_OPTIONS)
@@ -235,11 +259,18 @@ def _wide(bad: int | None, eps: float, mode: str) -> tuple[Any, list[torch.Tenso
     return w, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("mode", MODES)
+_OVER_BUDGET = pytest.mark.xfail(strict=True, reason=(
+    "default/defer/full: an update region that runs more ops than its budget (256) at step 0 is left unrecorded for "
+    "the rest of the run, so a LARS helper over 200 parameters reads 'first non-finite gradient of heads.0.weight in "
+    "backward step N: heads.0 (Linear)', no op, no line (ops=True names the division). Watching such a region op by "
+    "op every step instead cost that healthy loop 3.5 ms a step (the whole watch cost 0.6 ms before): taken back"))
+
+
+@pytest.mark.parametrize("mode", [mode if mode.startswith("ops") else pytest.param(mode, marks=_OVER_BUDGET)
+                                  for mode in MODES])
 @pytest.mark.parametrize("bad", [0, 2])
 def test_a_lars_helper_over_more_ops_than_the_region_budget_is_named(bad: int, mode: str) -> None:
-    """Was (default/defer/full): the update region ran past its budget at step 0 and went unrecorded for the rest of
-    the run: "first non-finite gradient of heads.0.weight in backward step 0: heads.0 (Linear)", no op, no line."""
+    """The update region ran past its budget at step 0 (see _OVER_BUDGET)."""
     with pytest.raises(NonFiniteError) as caught:
         _wide(bad, 0.0, mode)
     report = caught.value.report

@@ -232,7 +232,6 @@ class LoopWrites:
                 self._wanted = "update" not in recorder.untraced
                 found += [(name, parameter, made, recorder) for name, parameter, made in remade]
             elif not wrote:
-                self._wanted = self._wanted and not recorder.over_budget  # (past its budget: watched from the next)
                 self._hold(recorder)
             elif not (count := recorder._n_ops):  # (recorded(), read directly: every step)
                 # The usual region (opt.step() right after backward()): nothing to look at or let go.

@@ -387,8 +387,6 @@ class RegionRecords:
         tracer.forward_task = torch._C._current_graph_task_id()
         try:
             copies, requiring = copies_from_outside(ops)
-            # (A -inf fill the model made, as _claim_ops notes it: the loss code's -inf - -inf of it is its op's.)
-            tracer.note_benign(benign_copies(ops, copies, self.benign_input))
             # (The generators as the region's first random op found them: the same draws; the user's put back.)
             born: dict[int, RecordedOp] = {}  # the recorded op each forward origin was started by
             made: dict[int, RecordedOp] = {}  # the recorded op that created each autograd node, by its number

@@ -101,8 +101,8 @@ def _users(frame: FrameType | None) -> FrameType | None:
 
 
 def _beyond_library(frame: FrameType | None) -> FrameType | None:
-    """The user's frame that called the library function running ``frame``, past it and torch's plumbing. Asked
-    only for a library's write of a non-finite number (``clip_grad_value_(params, nan)``): never on a healthy step."""
+    """The user's frame that called the library function running ``frame``, past it and torch's plumbing: asked once
+    for each library call that writes in a watched region (clip_grad_norm_'s scaling, every healthy step)."""
     while frame is not None:
         entry = _CALLERS.get(id(frame.f_code))
         if entry is None:
@@ -113,9 +113,15 @@ def _beyond_library(frame: FrameType | None) -> FrameType | None:
     return None
 
 
-def _number_not_finite(args: Sequence[Any]) -> bool:
-    """Whether an op is given a non-finite Python number (``clip_grad_value_``'s clamp of a NaN clip value)."""
-    return any(type(arg) is float and not math.isfinite(arg) for arg in args)
+#: The ops an infinite bound leaves finite (``clip_grad_value_(params, inf)``, clipping switched off by a config).
+_CLAMPS = frozenset({"clamp_", "clamp_min_", "clamp_max_", "_foreach_clamp_min_", "_foreach_clamp_max_"})
+
+
+def _number_not_finite(func: Any, args: Sequence[Any]) -> bool:
+    """Whether an op is given a Python number that can make its output non-finite: a NaN (``clip_grad_value_``'s
+    clamp of a NaN clip value), or an infinity, but for a clamp's bound."""
+    return any(type(arg) is float and not math.isfinite(arg) and (
+        arg != arg or getattr(func, "_opname", None) not in _CLAMPS) for arg in args)
 
 
 def _caller_kind(frame: FrameType) -> int:
@@ -148,8 +154,10 @@ class UpdateRecorder(OutsideRecorder):
         #: ``id(tensor)`` -> its version counter as :meth:`_keep_written` copied it into ``before`` (the step replay
         #: starts a model call from that copy where it is the value the call read: :meth:`values_before`).
         self.versions_before: dict[int, int] = {}
-        #: Whether the recorded region wrote a watched parameter; whether it went on watched, its budget spent.
-        self.wrote_parameter = self.over_budget = False
+        #: The library function's frame that ran the last library write of the region, and the user's frame that
+        #: called it (:func:`_beyond_library`, asked once a library call, not once a write: clip_grad_value_ writes
+        #: each gradient in turn on the CPU). Held until the region is forgotten, so that ``is`` cannot alias.
+        self._library: tuple[FrameType | None, FrameType | None] = (None, None)
         #: Whether the region is watched, not recorded (no watched parameter written yet).
         self.watching = False
         # The watched region's last ops: (op, args, kwargs, output, the user's frame that ran it, its line and
@@ -169,7 +177,8 @@ class UpdateRecorder(OutsideRecorder):
     def forget(self, last: bool = False, stepping: bool = False) -> None:
         super().forget(last, stepping)
         self._copied = 0
-        self.read_number = self.wrote_parameter = self.over_budget = False
+        self.read_number = False
+        self._library = (None, None)
         self._ring.clear()
         if self._writes:
             self._writes.clear()
@@ -204,13 +213,14 @@ class UpdateRecorder(OutsideRecorder):
                 if plan is not None and frame is not None:  # the user's own write of a gradient (not a library's)
                     self._keep_written(written)
                 elif plan is not None:  # a library's write (clip_grad_norm_'s _foreach_mul_, a GradScaler's unscale)
-                    # Kept with the user's call of the library, at its line (one short walk, once a call: its ops
-                    # before take it at a claim, _record_ring); copied first where given a non-finite number.
-                    library = frame = _beyond_library(caller.f_back)  # (caller: the library's)
-                    for arg in args:
-                        if type(arg) is float and not math.isfinite(arg):  # clip_grad_value_(params, nan)
-                            self._keep_written(written)
-                            break
+                    # Kept with the user's call of the library, at its line (one short walk a library call: its ops
+                    # before take it at a claim, _record_ring); copied first where given a number that makes it
+                    # non-finite (clip_grad_value_(params, nan)).
+                    if self._library[0] is not caller:
+                        self._library = (caller, _beyond_library(caller.f_back))  # (caller: the library's frame)
+                    library = frame = self._library[1]
+                    if _number_not_finite(func, args):
+                        self._keep_written(written)
                 try:
                     out = call(*args, **kwargs)
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
@@ -235,18 +245,14 @@ class UpdateRecorder(OutsideRecorder):
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
             if on_parameters(self._storages(), self._parameter_of, written):
-                self.wrote_parameter = True
                 for tensor in written:
                     if isinstance(tensor, torch.Tensor):
                         self._copy(tensor)
-            elif _users(sys._getframe(1)) is not None or _number_not_finite(args):
+            elif _users(sys._getframe(1)) is not None or _number_not_finite(func, args):
                 self._keep_written(written)  # (the user's own write; a library's of a non-finite number given it)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self._budget == 0 and not self.wrote_parameter and self._region == "update" and self.pushed:
-            # Its budget spent, no parameter written (a LARS helper over hundreds of parameters): the region goes on
-            # watched (its ring, the user's gradient writes kept past it), not unrecorded for the rest of the run.
-            self.watching = self.over_budget = True
-        return out
+        # (A region past its budget is left unrecorded for the rest of the run, as every recorded region: watching
+        # it instead, op by op every step, cost a 200-parameter LARS helper 3.5 ms a step, 5x the whole watch.)
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _keep_written(self, written: Sequence[Any]) -> None:
         """Copy what the user's own update code is about to write in place (not a parameter: a gradient, by
