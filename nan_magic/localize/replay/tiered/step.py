@@ -197,9 +197,7 @@ class StepReplays(StepKeeping):
             outcome = self._run_as_read(candidates[0], boundary) or outcome
         if outcome.report is not None and not backward and is_fused(outcome.report.op):
             outcome = self._run_apart(root, boundary, seen, outcome.report.op) or outcome
-        if outcome.report is None and outcome.benign is not None and not backward:
-            # (A gradient's event is never the forward's deliberate infinity that its replay met: a -inf fill whose
-            # consumer is finite forward and NaN backward, torch's KL of two masked Categoricals, 0 * (-inf - -inf).)
+        if outcome.report is None and outcome.benign is not None:
             if lacking := kinds_unexplained(outcome.boundary, seen):
                 # A kind the deliberate infinity does not make (a NaN never is): the replay ran from state the loop
                 # changed since (an attribute, by the deferred check), so the event is raised, not taken as benign.
