@@ -6,7 +6,7 @@ data the loss read and took it for a NaN-coded label: phase ``data``, ``other of
 ``bad-input-data`` (no data was bad). The deferred ones read the recorded ops' arguments, where the number is a
 number, and named ``aten.mul.Tensor`` with the ``nonfinite-number`` cause; now every mode does (ops=True and its
 deferred twin named different phases, ops and tensors). The ``+inf`` twin (a positive objective times ``inf``) is a
-test in tests/test_defer_s38.py.
+strict xfail in tests/test_defer_s38.py.
 """
 
 from __future__ import annotations

@@ -49,10 +49,6 @@ __all__ = ["OriginRules"]
 
 #: Consumers of a mask that are the producer of what they make of it (a softmax over a fully masked row: masks.py),
 #: even where an index picked the row or a max reduced it.
-#: Ops whose infinite Python number is no deliberate infinity (a -inf fill, a clamp's bound) where they scale a 0-dim
-#: value: ``loss * math.inf`` (a weight a config set to inf) is made infinite there, and the op is its origin. (A
-#: mask is never 0-dim: ``ones(t, t) * -inf`` stays deliberate.)
-_SCALED_BY = ("aten.mul.",)
 _MASK_CONSUMERS = ("aten._softmax.", "aten._log_softmax.", "aten._safe_softmax.", "aten.logsumexp.")
 
 
@@ -134,8 +130,7 @@ class OriginRules:
                 if not isinstance(value, torch.Tensor):
                     kinds = scalar_kinds(value)
                     held |= kinds
-                    if not (op.startswith(_SCALED_BY) and tensor.dim() == 0):  # (``loss * math.inf``: no mask)
-                        benign |= kinds - {"nan"}  # a NaN scalar is never a deliberate infinity
+                    benign |= kinds - {"nan"}  # a NaN scalar is never a deliberate infinity
                     continue
                 prior = priors.get(id(value))
                 kinds = relevant_kinds(prior.kinds() if prior is not None else self._known.kinds(value), self.kinds)
