@@ -6,7 +6,7 @@ data the loss read and took it for a NaN-coded label: phase ``data``, ``other of
 ``bad-input-data`` (no data was bad). The deferred ones read the recorded ops' arguments, where the number is a
 number, and named ``aten.mul.Tensor`` with the ``nonfinite-number`` cause; now every mode does (ops=True and its
 deferred twin named different phases, ops and tensors). The ``+inf`` twin (a positive objective times ``inf``) is a
-strict xfail in tests/test_defer_s38.py.
+strict xfail in tests/test_defer_s38.py. Also: a fully masked row whose fill value is a 0-dim ``ones(()) * -inf``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,47 @@ def _expect(marker: str) -> Expect:
                   kinds=frozenset({"-inf"}))
 
 
+class _ZeroDimFill(nn.Module):
+    """Attention whose mask's fill value is a 0-dim -inf made by a product (masked_fill takes only a 0-dim tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        neg = torch.ones(()) * -math.inf
+        scores = (self.q(x) @ x.T).masked_fill(~keep, neg)
+        return self.out(torch.softmax(scores, -1) @ x)  # producer: zero-dim fill softmax
+
+
+def _zero_dim_fill(row: bool) -> Scenario:
+    """A fully masked row at step 2 (``row``): the softmax's 0/0 is the fault, not the product that made the fill
+    (the review of defer-s38 found a rule that named that product, cause nonfinite-number: taken back)."""
+    torch.manual_seed(0)
+    model = _ZeroDimFill()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs = [torch.randn(5, 4) for _ in range(STEPS)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(STEPS):
+            keep = torch.ones(5, 5, dtype=torch.bool)
+            keep[3, : 5 if row and step == 2 else 2] = False
+            loss = model(xs[step], keep).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
+    Case("defer_s38_fully_masked_row_with_a_zero_dim_fill_value", lambda: _zero_dim_fill(True),
+         Expect("forward", "", "_ZeroDimFill", step=2, op="aten._softmax.default", marker="zero-dim fill softmax",
+                cause="masked-softmax")),
+    Case("defer_s38_zero_dim_fill_value_healthy", lambda: _zero_dim_fill(False), None),
     Case("defer_s38_loss_times_a_python_inf_weight_named", lambda: _weighted(math.inf, True), _expect("named weight")),
     Case("defer_s38_loss_times_a_python_inf_weight_temporary", lambda: _weighted(math.inf, False),
          _expect("temporary weight")),
