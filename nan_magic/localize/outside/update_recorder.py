@@ -219,8 +219,11 @@ class UpdateRecorder(OutsideRecorder):
                     if self._library[0] is not caller:
                         self._library = (caller, _beyond_library(caller.f_back))  # (caller: the library's frame)
                     library = frame = self._library[1]
-                    if _number_not_finite(func, args):
-                        self._keep_written(written)
+                    for arg in args:  # (inlined: no call for a write given finite numbers, every healthy step)
+                        if type(arg) is float and not -math.inf < arg < math.inf:
+                            if _number_not_finite(func, args):
+                                self._keep_written(written)
+                            break
                 try:
                     out = call(*args, **kwargs)
                 except RuntimeError:  # a wrapped number alone (run_op says why); only the failure path pays
