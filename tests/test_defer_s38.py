@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from contract import MODE_OPTIONS, Case, all_cases, source_line
+from contract import MODE_OPTIONS, all_cases, source_line
+from test_defer_s37 import _report
 from torch import nn
 
 import nan_magic
@@ -19,14 +20,6 @@ from nan_magic import NonFiniteError
 from nan_magic.records import Report
 
 _ROWS = {case.name: case for case in all_cases()}
-
-
-def _report(case: Case, **options: object) -> Report:
-    torch.manual_seed(0)
-    scenario = case.build()
-    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **options, **scenario.options):
-        scenario.run()
-    return caught.value.report
 
 
 def _reading(report: Report) -> tuple[object, ...]:

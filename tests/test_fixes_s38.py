@@ -13,10 +13,10 @@ is judged by its product at the line, and a view of the clamped operand is a use
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
+from test_fixes_s37 import LOSS_CODE_MODES, MODES, Loop, watched
 from torch import nn
 
 import nan_magic
@@ -27,11 +27,6 @@ from nan_magic.render.fixes import fixes_text
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
 
-MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"},
-                                    "ops": {"ops": True}, "ops-defer": {"ops": True, "defer": True}}
-#: The modes that run a loss-code producer's trials (ops mode keeps no record of the loss code to run again).
-LOSS_CODE_MODES = ("default", "defer", "full")
-Loop = Callable[[], None]
 HIDDEN = "a non-zero value over 0 has no eps that fixes it"
 
 #: The division by v, spelled four ways (v is exactly 0 in one column).
@@ -49,15 +44,6 @@ OPS = {"div": "aten.div.Tensor", "pow": "aten.pow.Tensor_Scalar", "rsqrt": "aten
        "rsqrt-view": "aten.rsqrt.default", "scaled-pow": "aten.pow.Tensor_Scalar"}
 #: 0 / 0 spelled as above, and with the power scaled first: the product with h's zero rows is 0 however it is read.
 ZERO_ROW_SPELLINGS = {**SPELLINGS, "scaled-pow": lambda x, v: x * (2 * v ** -1)}
-
-
-def watched(model: nn.Module, opt: torch.optim.Optimizer, loop: Loop, mode: str) -> Report:
-    try:
-        with nan_magic.watch(model, opt, **MODES[mode], keep_last_good=True):
-            loop()
-    except nan_magic.NonFiniteError as error:
-        return error.report
-    raise AssertionError(f"{mode}: no event")
 
 
 def eps_trial(report: Report) -> FixTrial:

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from contract import Case, Expect, Scenario
+from contract.loops import batches as _batches
+from contract.loops import sgd_loop as _loop
 
 STEPS = 4
 
@@ -69,23 +71,11 @@ def _zero_dim_fill(row: bool) -> Scenario:
     """A fully masked row at step 2 (``row``): the softmax's 0/0 is the fault, not the product that made the fill
     (the review of defer-s38 found a rule that named that product, cause nonfinite-number: taken back)."""
     torch.manual_seed(0)
-    model = _ZeroDimFill()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    xs = [torch.randn(5, 4) for _ in range(STEPS)]
-
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(STEPS):
-            keep = torch.ones(5, 5, dtype=torch.bool)
-            keep[3, : 5 if row and step == 2 else 2] = False
-            loss = model(xs[step], keep).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
-
-    return Scenario((model, opt), run)
+    xs = _batches(5, 4)
+    keeps = [torch.ones(5, 5, dtype=torch.bool) for _ in range(STEPS)]
+    for step, keep in enumerate(keeps):
+        keep[3, : 5 if row and step == 2 else 2] = False
+    return _loop(_ZeroDimFill(), lambda step: (xs[step], keeps[step]), lambda out, _step: out.pow(2).mean())
 
 
 CASES = [
