@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from nan_magic.errors.frames import pointer_at, user_line
-from nan_magic.hot.checks.discarded import discarded_by_a_fill
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
@@ -63,7 +62,10 @@ ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
 
 class GradientChecks:
-    """Loss and per-module gradient checks of one watch (``replay_backward``: None where calls keep no arguments)."""
+    """Loss and per-module gradient checks of one watch.
+
+    ``replay_backward`` is None where calls keep no arguments to replay.
+    """
 
     def __init__(self, watch: GradientHost, origins: OriginFinder, loss_code: LossCodeReads,
                  replay_backward: ReplayBackward | None,
@@ -371,10 +373,10 @@ class GradientChecks:
         """
         watch = self.watch
         record = call.outputs[0]
-        if self.reported_this_pass or not relevant_kinds(record.kinds, watch.config.kinds) or (
-                discarded_by_a_fill(tensor := record.live())):  # (NaN only where its output's masked_fill put -inf)
+        if self.reported_this_pass or not relevant_kinds(record.kinds, watch.config.kinds):
             return
         self.reported_this_pass = True
+        tensor = record.live()
         finding = Finding(
             Phase.BACKWARD,
             call,
