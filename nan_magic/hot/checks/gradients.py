@@ -190,17 +190,17 @@ class GradientChecks:
     def judge_loss(self, call: Call) -> None:
         """A non-finite loss: produced by the code outside the modules when they were all finite.
 
-        A non-finite gradient the loop gave the backward (logged after the loss) comes first: it is data.
+        A non-finite gradient the loop gave the backward (logged after the loss) comes first: data, at its op if seen.
         """
         watch = self.watch
         given = call.outputs[-1]
         if given.path == GIVEN_GRADIENT and given.status == "ok" and relevant_kinds(given.kinds, watch.config.kinds):
             tensor = given.live()
             finding = Finding(Phase.DATA, None, GIVEN_GRADIENT, bad=tensor.detach() if tensor is not None else None,
-                              bad_stats=None if tensor is not None else given.stats(), record=given)
-            if self.given_line is not None:
-                finding.source = pointer_at(*self.given_line)
+                              bad_stats=None if tensor is not None else given.stats(), record=given,
+                              source=pointer_at(*self.given_line) if self.given_line is not None else None)
             finding.notes.append(Note("given-gradient"))
+            self.origins.add_op_origin(finding, tensor)  # (the loop's op that made it: ``w / w.sum()``, all 0)
             watch.emit(finding)
             return
         record = call.outputs[0]
