@@ -77,6 +77,33 @@ def _evolution(eps: float) -> Scenario:
     return Scenario((model,), run)
 
 
+def _reweighted(keep_all: bool) -> Scenario:
+    """Hard-example reweighting: the seed is a softmax of the per-sample losses themselves, so a loss that is inf (a
+    label weight of 0 under the log at step 2) makes the seed NaN too (inf - inf). The loss came first: the report is
+    the log's, at its line, as the same step written ``(losses * seed).sum().backward()`` gives. Review of hunt-s39."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+    xs = _batches(6, 5)
+    keeps = [torch.ones(6) for _ in range(4)]
+    if not keep_all:
+        keeps[2][1] = 0.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for step in range(4):
+            p = torch.sigmoid(model(xs[step])[:, 0])
+            losses = -torch.log(p * keeps[step])  # producer: reweighted log
+            seed = torch.softmax(losses.detach(), 0)
+            opt.zero_grad()
+            losses.backward(gradient=seed)
+            opt.step()
+            out.append(losses.detach())
+        return out
+
+    return Scenario((model, opt), run)
+
+
 #: Known limit (strict xfail): the loop's 0 / 0 reaches the weights through ``vector_to_parameters``.
 _ES_UNNAMED = (
     "the report names 0.weight, already non-finite when 0 read it at forward step 48 (no optimizer: each of a "
@@ -88,6 +115,9 @@ CASES = [
     Case("hunt_s39d_backward_seeded_by_importance_weights_all_zero", lambda: _seeded(False),
          Expect("data", None, step=2, op="aten.div.Tensor", marker="seed", cause="division-by-zero")),
     Case("hunt_s39d_backward_seeded_by_clamped_weights_healthy", lambda: _seeded(True), None),
+    Case("hunt_s39d_seed_a_softmax_of_losses_one_of_them_infinite", lambda: _reweighted(False),
+         Expect("forward", None, step=2, op="aten.log.default", marker="reweighted log", cause="log-domain")),
+    Case("hunt_s39d_seed_a_softmax_of_finite_losses_healthy", lambda: _reweighted(True), None),
     Case("hunt_s39d_evolution_strategies_over_rewards_clipped_alike", lambda: _evolution(0.0),
          Expect("forward", "0", "Linear", step=48, op="aten.div.Tensor", marker="es rewards",
                 cause="division-by-zero"),

@@ -11,12 +11,10 @@ downstream of the cause.
 Only tensor hooks on module outputs are used: ``register_full_backward_hook``
 wraps outputs in a view that breaks in-place ops.
 
-Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`,
-which the watch hands them as a plain callable; the gradient checks know no
-forward checker in return. What they need of the forward side comes at
-construction: the op origins (op_origins.py), and ``replay_backward``,
-:meth:`CallReplay.replay_backward_into` where calls keep their arguments
-(localize/replay/producer_call.py). The step log carries where the last forward ended
+Who calls whom: the forward hooks arm :meth:`GradientChecks.hook_output`, a plain callable the watch hands them;
+the gradient checks know no forward checker in return. What they need of the forward side comes at construction:
+the op origins (op_origins.py), and ``replay_backward``, :meth:`CallReplay.replay_backward_into` where calls keep
+their arguments (localize/replay/producer_call.py). The step log carries where the last forward ended
 (:attr:`StepLog.last_forward_seq`).
 """
 
@@ -190,11 +188,13 @@ class GradientChecks:
     def judge_loss(self, call: Call) -> None:
         """A non-finite loss: produced by the code outside the modules when they were all finite.
 
-        A non-finite gradient the loop gave the backward (logged after the loss) comes first: data, at its op if seen.
+        A non-finite gradient the loop gave the backward (logged after the loss) is data, at its op if seen, where the
+        loss is finite: a non-finite loss came first (the seed enters at the backward; ``softmax(losses.detach())``).
         """
-        watch = self.watch
-        given = call.outputs[-1]
-        if given.path == GIVEN_GRADIENT and given.status == "ok" and relevant_kinds(given.kinds, watch.config.kinds):
+        watch, kinds = self.watch, self.watch.config.kinds
+        given, record = call.outputs[-1], call.outputs[0]
+        loss_finite = record.status != "ok" or not relevant_kinds(record.kinds, kinds)
+        if given.path == GIVEN_GRADIENT and given.status == "ok" and relevant_kinds(given.kinds, kinds) and loss_finite:
             tensor = given.live()
             finding = Finding(Phase.DATA, None, GIVEN_GRADIENT, bad=tensor.detach() if tensor is not None else None,
                               bad_stats=None if tensor is not None else given.stats(), record=given,
@@ -203,8 +203,7 @@ class GradientChecks:
             self.origins.add_op_origin(finding, tensor)  # (the loop's op that made it: ``w / w.sum()``, all 0)
             watch.emit(finding)
             return
-        record = call.outputs[0]
-        if record.status != "ok" or not relevant_kinds(record.kinds, watch.config.kinds):
+        if loss_finite:
             return
         every_output_finite = all(
             not output.kinds
