@@ -2,8 +2,10 @@
 
 A watched region passes each op through, keeping the last :data:`RING` ops (by reference, with the user's line that
 ran them) until an op writes a watched parameter in place; from that op on the region is recorded, the ring first.
-The user's own in-place writes of a gradient that leave the ring are kept past it (up to :data:`WRITES_KEPT`): a
-LARS-style ``p.grad /= p.grad.norm()`` over every parameter is judged at the step, its first writes long out of it.
+The user's own in-place writes of a gradient that leave the ring are kept past it, each with the ops run since the
+last one kept (up to :data:`WRITES_KEPT` ops): a LARS-style ``p.grad /= p.grad.norm()`` or
+``p.grad.mul_(1.0 / p.grad.norm())`` over every parameter is judged at the step, its first writes and the ops that
+made their operands (the norm, its reciprocal) long out of the ring.
 Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is any
 tensor the user's own code writes in place (a gradient: ``g.div_(g.norm())``, ``g /= n``), so that a replay of the
 records starts from the value the write read.
@@ -16,6 +18,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 from types import CodeType, FrameType
 from typing import Any
 
@@ -36,8 +39,9 @@ __all__ = ["RING", "WRITES_KEPT", "UpdateRecorder"]
 
 #: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
 RING = 16
-#: The user's own in-place writes of a gradient a watched region kept past its ring (``p.grad /= p.grad.norm()``
-#: over every parameter: the first writes fall out of the ring long before the step judges the gradients).
+#: The ops a watched region kept past its ring: the user's own in-place writes of a gradient, each with the ops since
+#: the last one kept (``p.grad /= p.grad.norm()`` over every parameter: the first writes, and the ops that made their
+#: operands, fall out of the ring long before the step judges the gradients).
 WRITES_KEPT = 1024
 
 # ``.item()``'s op (``float(t)``'s too): the update code read a number (a learning rate computed in the loop).
@@ -164,8 +168,9 @@ class UpdateRecorder(OutsideRecorder):
         # f_lasti then).
         self._ring: deque[_Entry] = deque(
             maxlen=RING)
-        # The user's in-place writes of a gradient, in order, the ring's too (told apart at the claim, by id): kept
-        # for the step's claim of a gradient (its write, replayed from its copy), with the bytes of their operands.
+        # The user's in-place writes of a gradient, each after the ops since the last one kept, in order, the
+        # ring's too (told apart at _record_ring, by id): kept for the step's claim of a gradient (its write and the
+        # ops that made its operand, replayed from its copy), with the bytes of their operands and outputs.
         self._writes_bytes, self._writes_left = 0, WRITES_KEPT
         self._writes: list[_Entry] = []
 
@@ -231,19 +236,31 @@ class UpdateRecorder(OutsideRecorder):
                 self._clean = False
                 entry = (func, tuple(args), kwargs, out, frame, line_at(frame) if frame else 0,
                          frame.f_lasti if frame else -1, library)
-                self._ring.append(entry)
-                if plan is not None and frame is not None and library is None and self._writes_left:
-                    # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the operands
-                    # it holds (a norm, a count) while within KEEP_TOTAL bytes a region: a large temporary (a mask the
-                    # gradient is multiplied by) is not held, as unwatched, and its write goes unnamed past the ring.
-                    size = 0
+                ring = self._ring
+                ring.append(entry)
+                if plan is not None and frame is not None and library is None and self._writes_left > 0:
+                    # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the ops since
+                    # the last write kept (the loop body that made its operand: ``1.0 / p.grad.norm()``'s norm and
+                    # reciprocal), while within KEEP_TOTAL bytes a region (its operands and their outputs): a large
+                    # temporary (a mask the gradient is multiplied by) is not held, as unwatched, and its write goes
+                    # unnamed past the ring. (A walk back of the ring to the last write kept, no call.)
+                    writes = self._writes
+                    last = writes[-1] if writes else None
+                    size, count, back = 0, len(ring), 1
                     for arg in args[1:]:
                         if type(arg) is torch.Tensor:
                             size += arg.nbytes
+                    while back < count and (earlier := ring[-back - 1]) is not last:
+                        if type(made := earlier[3]) is torch.Tensor and made._base is None:
+                            size += made.nbytes
+                        back += 1
                     if self._writes_bytes + size <= KEEP_TOTAL:
                         self._writes_bytes += size
-                        self._writes_left -= 1
-                        self._writes.append(entry)
+                        self._writes_left -= back
+                        if back == 1:
+                            writes.append(entry)
+                        else:
+                            writes.extend(islice(ring, count - back, count))
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
@@ -356,3 +373,4 @@ class UpdateRecorder(OutsideRecorder):
         if parameter is not None:
             self._clean = False
             self._copied = copy_before(self, tensor, parameter, self._copied)
+
