@@ -6,7 +6,7 @@ over, where default/defer/full named the gradient's owner with no op while ops=T
 - the trust-ratio form of a LARS helper, ``p.grad.mul_(1.0 / p.grad.norm())``, over more parameters than the watched
   region's ring at a later step (the write was kept past the ring; the reciprocal that made its operand was not);
 - ``g = p.grad; g.div_(g.norm() + 0)``;
-- a write through a view, ``p.grad.view(-1).div_(0)``;
+- a write through a view, ``p.grad.view(-1).div_(0)`` (or a row's, ``p.grad[-1].div_(0)``);
 - ``p.grad.data.copy_(p.grad / p.grad.norm())`` (a gradient replaced by a computed one) past the ring;
 - ``clip_grad_norm_(params, max_norm=nan)`` (a max norm a config or a running statistic made NaN).
 
@@ -51,6 +51,16 @@ def _aliased(params: list[nn.Parameter], bad: bool) -> None:
         g.div_(g.norm() + 0)  # the update
 
 
+def _through_view(params: list[nn.Parameter], bad: bool) -> None:
+    for p in params:
+        p.grad.view(-1).div_(0.0 if bad else 2.0)  # the update
+
+
+def _through_row(params: list[nn.Parameter], bad: bool) -> None:
+    for p in params:
+        p.grad[-1].div_(0.0 if bad else 2.0)  # the update
+
+
 def _replaced(params: list[nn.Parameter], bad: bool) -> None:
     for p in params:
         p.grad.data.copy_(p.grad / p.grad.norm())  # the update
@@ -60,9 +70,12 @@ def _replaced(params: list[nn.Parameter], bad: bool) -> None:
 _UPDATES: dict[Callable[..., None], tuple[bool, str]] = {
     _trust_ratio: (True, "aten.reciprocal.default"),
     _aliased: (True, "aten.div_.Tensor"),
+    _through_view: (False, "aten.div_.Tensor"),
+    _through_row: (False, "aten.div_.Tensor"),
     _replaced: (True, "aten.div.Tensor"),
 }
-_IDS = {_trust_ratio: "trust-ratio", _aliased: "aliased", _replaced: "data-copy"}
+_IDS = {_trust_ratio: "trust-ratio", _aliased: "aliased", _through_view: "through-view",
+        _through_row: "through-row", _replaced: "data-copy"}
 
 
 def _loop(update: Callable[..., None], parameters: int, bad: int | None, options: dict[str, Any] | None

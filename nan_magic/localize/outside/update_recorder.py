@@ -361,10 +361,12 @@ class UpdateRecorder(OutsideRecorder):
                         and tensor.untyped_storage().data_ptr() == address and tensor.data_ptr() < end
                         and start < tensor.data_ptr() + tensor.numel() * tensor.element_size()):
                     key, before = record_key(value), self.before
-                    if key in before and id(gradient) not in before and before[key].shape == gradient.shape:
-                        # ``p.grad.data`` is recorded as a detach of the gradient: the replay makes it again from
-                        # the gradient, whose value before the write is the one copied under the alias written.
-                        before = {**before, id(gradient): before[key]}
+                    if key in before and id(gradient) not in before and (
+                            earlier := _through(gradient, tensor, before[key])) is not None:
+                        # ``p.grad.data`` is recorded as a detach of the gradient, ``p.grad.view(-1)`` as a view: the
+                        # replay makes it again from the gradient, whose value before the write is the one copied
+                        # under the alias written, put back where the alias lies in it.
+                        before = {**before, id(gradient): earlier}
                     return self._claim_ops(list(ops[: index + 1]), self._rng, before, key)
         return None
 
@@ -373,4 +375,21 @@ class UpdateRecorder(OutsideRecorder):
         if parameter is not None:
             self._clean = False
             self._copied = copy_before(self, tensor, parameter, self._copied)
+
+
+def _through(gradient: torch.Tensor, alias: torch.Tensor, copied: torch.Tensor) -> torch.Tensor | None:
+    """``gradient``'s value before a write through ``alias`` (a tensor on its memory: ``.data``, ``.view(-1)``, a
+    row), made of ``copied`` (the alias's copy before the write) where the alias lies within it; else None."""
+    if copied.shape == gradient.shape and alias.data_ptr() == gradient.data_ptr() and (
+            alias.stride() == gradient.stride()):
+        return copied
+    if not gradient.is_contiguous() or copied.shape != alias.shape:
+        return None
+    offset = alias.storage_offset() - gradient.storage_offset()
+    last = offset + sum((size - 1) * stride for size, stride in zip(alias.shape, alias.stride()))
+    if offset < 0 or last >= gradient.numel() or alias.dtype != gradient.dtype:
+        return None
+    earlier = gradient.detach().clone()
+    earlier.as_strided(alias.shape, alias.stride(), offset).copy_(copied)
+    return earlier
 
