@@ -8,7 +8,8 @@ over, where default/defer/full named the gradient's owner with no op while ops=T
 - ``g = p.grad; g.div_(g.norm() + 0)``;
 - a write through a view, ``p.grad.view(-1).div_(0)`` (or a row's, ``p.grad[-1].div_(0)``);
 - ``p.grad.data.copy_(p.grad / p.grad.norm())`` (a gradient replaced by a computed one) past the ring;
-- ``clip_grad_norm_(params, max_norm=nan)`` (a max norm a config or a running statistic made NaN).
+- ``clip_grad_norm_(params, max_norm=nan)`` (a max norm a config or a running statistic made NaN), also with
+  ``foreach=False`` (each gradient scaled in turn, the first long out of the ring over 40 parameters).
 
 Each is exact by construction: at the bad step the loss is multiplied by 0, so every gradient is exactly 0 and its
 norm is 0 (0 / 0, 1 / 0), or the divisor or max norm given is 0 or NaN. Step 0 (the update region recorded in full)
@@ -66,6 +67,14 @@ def _replaced(params: list[nn.Parameter], bad: bool) -> None:
         p.grad.data.copy_(p.grad / p.grad.norm())  # the update
 
 
+def _clip_nan(params: list[nn.Parameter], bad: bool) -> None:
+    nn.utils.clip_grad_norm_(params, max_norm=float("nan") if bad else 1.0)  # the update
+
+
+def _clip_nan_each(params: list[nn.Parameter], bad: bool) -> None:
+    nn.utils.clip_grad_norm_(params, max_norm=float("nan") if bad else 1.0, foreach=False)  # the update
+
+
 #: Each update, whether the loss is zeroed at the bad step (its norms 0), and the op ops=True names.
 _UPDATES: dict[Callable[..., None], tuple[bool, str]] = {
     _trust_ratio: (True, "aten.reciprocal.default"),
@@ -73,9 +82,12 @@ _UPDATES: dict[Callable[..., None], tuple[bool, str]] = {
     _through_view: (False, "aten.div_.Tensor"),
     _through_row: (False, "aten.div_.Tensor"),
     _replaced: (True, "aten.div.Tensor"),
+    _clip_nan: (False, "aten.mul.Tensor"),
+    _clip_nan_each: (False, "aten.mul.Tensor"),
 }
 _IDS = {_trust_ratio: "trust-ratio", _aliased: "aliased", _through_view: "through-view",
-        _through_row: "through-row", _replaced: "data-copy"}
+        _through_row: "through-row", _replaced: "data-copy", _clip_nan: "clip-norm-nan",
+        _clip_nan_each: "clip-norm-nan-each"}
 
 
 def _loop(update: Callable[..., None], parameters: int, bad: int | None, options: dict[str, Any] | None

@@ -186,7 +186,7 @@ class UpdateRecorder(OutsideRecorder):
         self._library = (None, None)
         self._ring.clear()
         if self._writes:
-            self._writes.clear()
+            self._writes = []  # (a new list, not a clear: no call)
             self._writes_bytes, self._writes_left = 0, WRITES_KEPT
         if self.versions_before:
             self.versions_before.clear()
@@ -211,7 +211,7 @@ class UpdateRecorder(OutsideRecorder):
             else:
                 # The caller's code is looked up here first (_users, inlined): a library function's
                 # (clip_grad_norm_'s) runs most of a watched region's ops.
-                caller, library = sys._getframe(1), None
+                caller, library, called = sys._getframe(1), None, False
                 known = _CALLERS.get(id(caller.f_code))
                 frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
                          ) if known is not None else _users(caller)
@@ -221,8 +221,9 @@ class UpdateRecorder(OutsideRecorder):
                     # Kept with the user's call of the library, at its line (one short walk a library call: its ops
                     # before take it at a claim, _record_ring); copied first where given a number that makes it
                     # non-finite (clip_grad_value_(params, nan)).
-                    if self._library[0] is not caller:
+                    if self._library[0] is not caller:  # (its first write is kept past the ring, as a user's)
                         self._library = (caller, _beyond_library(caller.f_back))  # (caller: the library's frame)
+                        called = True
                     library = frame = self._library[1]
                     for arg in args:  # (inlined: no call for a write given finite numbers, every healthy step)
                         if type(arg) is float and not -math.inf < arg < math.inf:
@@ -238,29 +239,36 @@ class UpdateRecorder(OutsideRecorder):
                          frame.f_lasti if frame else -1, library)
                 ring = self._ring
                 ring.append(entry)
-                if plan is not None and frame is not None and library is None and self._writes_left > 0:
+                if plan is not None and frame is not None and (library is None or called) and self._writes_left > 0:
                     # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the ops since
                     # the last write kept (the loop body that made its operand: ``1.0 / p.grad.norm()``'s norm and
                     # reciprocal), while within KEEP_TOTAL bytes a region (its operands and their outputs): a large
                     # temporary (a mask the gradient is multiplied by) is not held, as unwatched, and its write goes
-                    # unnamed past the ring. (A walk back of the ring to the last write kept, no call.)
+                    # unnamed past the ring. (A walk back of the ring to the last write kept, no call.) A library
+                    # call's first write only (``clip_grad_norm_(foreach=False)`` scales each gradient in turn by one
+                    # coefficient: the first parameter's, which the step judges first, with the ops that made it).
                     writes = self._writes
                     last = writes[-1] if writes else None
-                    size, count, back = 0, len(ring), 1
+                    size, back, whole = 0, 1, False
                     for arg in args[1:]:
                         if type(arg) is torch.Tensor:
                             size += arg.nbytes
-                    while back < count and (earlier := ring[-back - 1]) is not last:
-                        if type(made := earlier[3]) is torch.Tensor and made._base is None:
-                            size += made.nbytes
-                        back += 1
+                    try:
+                        while (earlier := ring[-back - 1]) is not last:
+                            if type(made := earlier[3]) is torch.Tensor and made._base is None:
+                                size += made.nbytes
+                            back += 1
+                    except IndexError:  # (back to the ring's first op: all of it)
+                        whole = True
                     if self._writes_bytes + size <= KEEP_TOTAL:
                         self._writes_bytes += size
                         self._writes_left -= back
-                        if back == 1:
+                        if whole:
+                            writes.extend(ring)
+                        elif back == 1:
                             writes.append(entry)
                         else:
-                            writes.extend(islice(ring, count - back, count))
+                            writes.extend(islice(ring, len(ring) - back, None))
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
@@ -310,10 +318,12 @@ class UpdateRecorder(OutsideRecorder):
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
         self._clean = False
         ring = self._ring
-        if self._writes:  # (the kept writes the ring no longer holds, older than its ops)
+        writes = self._writes
+        # (The kept ops the ring no longer holds, older than its ops; none where the first kept is the ring's first.)
+        if writes and (not ring or writes[0] is not ring[0]):
             in_ring = set(map(id, ring))
             kept: list[_Entry] = [
-                *(entry for entry in self._writes if id(entry) not in in_ring), *ring]
+                *(entry for entry in writes if id(entry) not in in_ring), *ring]
         else:
             kept = list(ring)
         calling: tuple[FrameType | None, int, int] = (None, 0, -1)
@@ -336,7 +346,7 @@ class UpdateRecorder(OutsideRecorder):
         self._n_ops = len(self._ops)
         self._budget -= len(kept)
         self._ring.clear()
-        self._writes.clear()
+        self._writes = []
         self._writes_bytes, self._writes_left = 0, WRITES_KEPT
 
     def claim_written(self, gradient: torch.Tensor) -> OpFinding | None:
@@ -367,7 +377,12 @@ class UpdateRecorder(OutsideRecorder):
                         # replay makes it again from the gradient, whose value before the write is the one copied
                         # under the alias written, put back where the alias lies in it.
                         before = {**before, id(gradient): earlier}
-                    return self._claim_ops(list(ops[: index + 1]), self._rng, before, key)
+                    replayed = list(ops[: index + 1])
+                    if key not in before and id(gradient) not in before:
+                        # Not copied (a library's write of a tensor: clip_grad_norm_'s scaling by its coefficient,
+                        # every healthy step): what read the memory it overwrote is taken as it ran, not run again.
+                        replayed = _past_overwritten(replayed, ops, before)
+                    return self._claim_ops(replayed, self._rng, before, key)
         return None
 
     def _copy(self, tensor: torch.Tensor) -> None:
@@ -393,3 +408,44 @@ def _through(gradient: torch.Tensor, alias: torch.Tensor, copied: torch.Tensor) 
     earlier.as_strided(alias.shape, alias.stride(), offset).copy_(copied)
     return earlier
 
+
+def _memory(value: Any) -> tuple[int, int, int] | None:
+    """A recorded value's memory: its storage, its first and past-its-last byte; None for no strided tensor."""
+    tensor = value.ref() if isinstance(value, WeakRecord) else value
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided or not tensor.numel():
+        return None
+    start = tensor.data_ptr()
+    return tensor.untyped_storage().data_ptr(), start, start + tensor.numel() * tensor.element_size()
+
+
+def _past_overwritten(replayed: list[RecordedOp], ops: Sequence[RecordedOp], before: dict[int, Any]
+                      ) -> list[RecordedOp]:
+    """``replayed`` without the ops that only read memory a recorded write overwrote with no copy kept before it
+    (``clip_grad_norm_``'s norms of the gradients it then scales): run again, they would read the values written
+    since, not those they read; their outputs, held by the records and written by none of them, are what they made.
+    At an event only."""
+    overwritten: list[tuple[int, int, int]] = []
+    for op in ops:
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if plan is not None and plan.writes:
+            overwritten += [memory for value in written_by(plan, op.args, op.kwargs)
+                            if record_key(value) not in before and (memory := _memory(value)) is not None]
+    if not overwritten:
+        return replayed
+
+    def on_overwritten(values: Any) -> bool:
+        for value in tree_leaves(values):
+            if (memory := _memory(value)) is not None and any(
+                    memory[0] == storage and memory[1] < end and start < memory[2]
+                    for storage, start, end in overwritten):
+                return True
+        return False
+
+    kept = []
+    for op in replayed[:-1]:
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if (plan is not None and not plan.writes and on_overwritten((op.args, op.kwargs))
+                and not on_overwritten(op.out)):
+            continue
+        kept.append(op)
+    return [*kept, replayed[-1]]
