@@ -263,12 +263,14 @@ class UpdateRecorder(OutsideRecorder):
                     if self._writes_bytes + size <= KEEP_TOTAL:
                         self._writes_bytes += size
                         self._writes_left -= back
+                        # (+= and slices: no call; the ring's last ``back`` ops are taken newest first, turned after.)
                         if whole:
-                            writes.extend(ring)
+                            writes += ring
                         elif back == 1:
-                            writes.append(entry)
+                            writes += (entry,)
                         else:
-                            writes.extend(islice(ring, len(ring) - back, None))
+                            writes += islice(reversed(ring), back)
+                            writes[-back:] = writes[-1:-back - 1:-1]
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
