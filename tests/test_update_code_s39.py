@@ -14,6 +14,10 @@ over, where default/defer/full named the gradient's owner with no op while ops=T
 Each is exact by construction: at the bad step the loss is multiplied by 0, so every gradient is exactly 0 and its
 norm is 0 (0 / 0, 1 / 0), or the divisor or max norm given is 0 or NaN. Step 0 (the update region recorded in full)
 and step 3 (watched, its ring of 16 ops long past the first parameter's ops), over 4 and 40 parameters.
+
+The phase asserted is the one every mode gives, ops=True's too: "backward" (the gradient check's: "first non-finite
+gradient of 0.weight in backward step N"), though the producer ran in the loop's update code, not in a gradient
+formula; PRODUCT.md's phase is where the producer ran. Left as it is (report-update-s39): a change of every mode.
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def test_the_loops_update_code_is_named_with_op_and_line(update: Any, bad: int, 
     with pytest.raises(NonFiniteError) as caught:
         _loop(update, parameters, bad, MODE_OPTIONS[mode])
     report = caught.value.report
-    # (The phase is the gradient check's, "backward", in every mode, ops=True's too: see the module docstring.)
+    # (The phase is the gradient check's, "backward", in every mode, ops=True's too: the module docstring.)
     assert (report.module, report.phase, report.step, report.op) == (
         None, Phase.BACKWARD, bad, _UPDATES[update][1]), report.message
     assert report.tensor == TensorRef(TensorRole.PARAMETER_GRADIENT, "0.weight", ""), str(report.tensor)
