@@ -255,7 +255,7 @@ class UpdateRecorder(OutsideRecorder):
                             size += arg.nbytes
                     try:
                         while (earlier := ring[-back - 1]) is not last:
-                            if type(made := earlier[3]) is torch.Tensor and made._base is None:
+                            if type(made := earlier[3]) is torch.Tensor:  # (a view counted too: no more read)
                                 size += made.nbytes
                             back += 1
                     except IndexError:  # (back to the ring's first op: all of it)
