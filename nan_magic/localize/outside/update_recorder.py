@@ -2,8 +2,10 @@
 
 A watched region passes each op through, keeping the last :data:`RING` ops (by reference, with the user's line that
 ran them) until an op writes a watched parameter in place; from that op on the region is recorded, the ring first.
-The user's own in-place writes of a gradient that leave the ring are kept past it (up to :data:`WRITES_KEPT`): a
-LARS-style ``p.grad /= p.grad.norm()`` over every parameter is judged at the step, its first writes long out of it.
+The user's own in-place writes of a gradient that leave the ring are kept past it, each with the ops run since the
+last one kept (up to :data:`WRITES_KEPT` ops): a LARS-style ``p.grad /= p.grad.norm()`` or
+``p.grad.mul_(1.0 / p.grad.norm())`` over every parameter is judged at the step, its first writes and the ops that
+made their operands (the norm, its reciprocal) long out of the ring.
 Before a write, a watched parameter is copied (the write may be the producer: ``w.div_(w.norm())``), and so is any
 tensor the user's own code writes in place (a gradient: ``g.div_(g.norm())``, ``g /= n``), so that a replay of the
 records starts from the value the write read.
@@ -16,6 +18,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import islice
 from types import CodeType, FrameType
 from typing import Any
 
@@ -36,8 +39,9 @@ __all__ = ["RING", "WRITES_KEPT", "UpdateRecorder"]
 
 #: A watched region's last ops kept, for the replay of a parameter write (the ops that made its operand).
 RING = 16
-#: The user's own in-place writes of a gradient a watched region kept past its ring (``p.grad /= p.grad.norm()``
-#: over every parameter: the first writes fall out of the ring long before the step judges the gradients).
+#: The ops a watched region kept past its ring: the user's own in-place writes of a gradient, each with the ops since
+#: the last one kept (``p.grad /= p.grad.norm()`` over every parameter: the first writes, and the ops that made their
+#: operands, fall out of the ring long before the step judges the gradients).
 WRITES_KEPT = 1024
 
 # ``.item()``'s op (``float(t)``'s too): the update code read a number (a learning rate computed in the loop).
@@ -164,8 +168,9 @@ class UpdateRecorder(OutsideRecorder):
         # f_lasti then).
         self._ring: deque[_Entry] = deque(
             maxlen=RING)
-        # The user's in-place writes of a gradient, in order, the ring's too (told apart at the claim, by id): kept
-        # for the step's claim of a gradient (its write, replayed from its copy), with the bytes of their operands.
+        # The user's in-place writes of a gradient, each after the ops since the last one kept, in order, the
+        # ring's too (told apart at _record_ring, by id): kept for the step's claim of a gradient (its write and the
+        # ops that made its operand, replayed from its copy), with the bytes of their operands and outputs.
         self._writes_bytes, self._writes_left = 0, WRITES_KEPT
         self._writes: list[_Entry] = []
 
@@ -181,7 +186,7 @@ class UpdateRecorder(OutsideRecorder):
         self._library = (None, None)
         self._ring.clear()
         if self._writes:
-            self._writes.clear()
+            self._writes = []  # (a new list, not a clear: no call)
             self._writes_bytes, self._writes_left = 0, WRITES_KEPT
         if self.versions_before:
             self.versions_before.clear()
@@ -206,7 +211,7 @@ class UpdateRecorder(OutsideRecorder):
             else:
                 # The caller's code is looked up here first (_users, inlined): a library function's
                 # (clip_grad_norm_'s) runs most of a watched region's ops.
-                caller, library = sys._getframe(1), None
+                caller, library, called = sys._getframe(1), None, False
                 known = _CALLERS.get(id(caller.f_code))
                 frame = (caller if known[1] == _USER else None if known[1] == _LIBRARY else _users(caller)
                          ) if known is not None else _users(caller)
@@ -216,8 +221,9 @@ class UpdateRecorder(OutsideRecorder):
                     # Kept with the user's call of the library, at its line (one short walk a library call: its ops
                     # before take it at a claim, _record_ring); copied first where given a number that makes it
                     # non-finite (clip_grad_value_(params, nan)).
-                    if self._library[0] is not caller:
+                    if self._library[0] is not caller:  # (its first write is kept past the ring, as a user's)
                         self._library = (caller, _beyond_library(caller.f_back))  # (caller: the library's frame)
+                        called = True
                     library = frame = self._library[1]
                     for arg in args:  # (inlined: no call for a write given finite numbers, every healthy step)
                         if type(arg) is float and not -math.inf < arg < math.inf:
@@ -231,19 +237,40 @@ class UpdateRecorder(OutsideRecorder):
                 self._clean = False
                 entry = (func, tuple(args), kwargs, out, frame, line_at(frame) if frame else 0,
                          frame.f_lasti if frame else -1, library)
-                self._ring.append(entry)
-                if plan is not None and frame is not None and library is None and self._writes_left:
-                    # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the operands
-                    # it holds (a norm, a count) while within KEEP_TOTAL bytes a region: a large temporary (a mask the
-                    # gradient is multiplied by) is not held, as unwatched, and its write goes unnamed past the ring.
-                    size = 0
+                ring = self._ring
+                ring.append(entry)
+                if plan is not None and frame is not None and (library is None or called) and self._writes_left > 0:
+                    # Kept past the ring (inlined: a LARS helper writes every gradient every step), with the ops since
+                    # the last write kept (the loop body that made its operand: ``1.0 / p.grad.norm()``'s norm and
+                    # reciprocal), while within KEEP_TOTAL bytes a region (its operands and their outputs): a large
+                    # temporary (a mask the gradient is multiplied by) is not held, as unwatched, and its write goes
+                    # unnamed past the ring. (A walk back of the ring to the last write kept, no call.) A library
+                    # call's first write only (``clip_grad_norm_(foreach=False)`` scales each gradient in turn by one
+                    # coefficient: the first parameter's, which the step judges first, with the ops that made it).
+                    writes = self._writes
+                    last = writes[-1] if writes else None
+                    size, back, whole = 0, 1, False
                     for arg in args[1:]:
                         if type(arg) is torch.Tensor:
                             size += arg.nbytes
+                    try:
+                        while (earlier := ring[-back - 1]) is not last:
+                            if type(made := earlier[3]) is torch.Tensor:  # (a view counted too: no more read)
+                                size += made.nbytes
+                            back += 1
+                    except IndexError:  # (back to the ring's first op: all of it)
+                        whole = True
                     if self._writes_bytes + size <= KEEP_TOTAL:
                         self._writes_bytes += size
-                        self._writes_left -= 1
-                        self._writes.append(entry)
+                        self._writes_left -= back
+                        # (+= and slices: no call; the ring's last ``back`` ops are taken newest first, turned after.)
+                        if whole:
+                            writes += ring
+                        elif back == 1:
+                            writes += (entry,)
+                        else:
+                            writes += islice(reversed(ring), back)
+                            writes[-back:] = writes[-1:-back - 1:-1]
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
@@ -293,10 +320,12 @@ class UpdateRecorder(OutsideRecorder):
         """The watched region wrote a parameter: its last ops become the first records (what made the operand)."""
         self._clean = False
         ring = self._ring
-        if self._writes:  # (the kept writes the ring no longer holds, older than its ops)
+        writes = self._writes
+        # (The kept ops the ring no longer holds, older than its ops; none where the first kept is the ring's first.)
+        if writes and (not ring or writes[0] is not ring[0]):
             in_ring = set(map(id, ring))
             kept: list[_Entry] = [
-                *(entry for entry in self._writes if id(entry) not in in_ring), *ring]
+                *(entry for entry in writes if id(entry) not in in_ring), *ring]
         else:
             kept = list(ring)
         calling: tuple[FrameType | None, int, int] = (None, 0, -1)
@@ -319,7 +348,7 @@ class UpdateRecorder(OutsideRecorder):
         self._n_ops = len(self._ops)
         self._budget -= len(kept)
         self._ring.clear()
-        self._writes.clear()
+        self._writes = []
         self._writes_bytes, self._writes_left = 0, WRITES_KEPT
 
     def claim_written(self, gradient: torch.Tensor) -> OpFinding | None:
@@ -344,11 +373,18 @@ class UpdateRecorder(OutsideRecorder):
                         and tensor.untyped_storage().data_ptr() == address and tensor.data_ptr() < end
                         and start < tensor.data_ptr() + tensor.numel() * tensor.element_size()):
                     key, before = record_key(value), self.before
-                    if key in before and id(gradient) not in before and before[key].shape == gradient.shape:
-                        # ``p.grad.data`` is recorded as a detach of the gradient: the replay makes it again from
-                        # the gradient, whose value before the write is the one copied under the alias written.
-                        before = {**before, id(gradient): before[key]}
-                    return self._claim_ops(list(ops[: index + 1]), self._rng, before, key)
+                    if key in before and id(gradient) not in before and (
+                            earlier := _through(gradient, tensor, before[key])) is not None:
+                        # ``p.grad.data`` is recorded as a detach of the gradient, ``p.grad.view(-1)`` as a view: the
+                        # replay makes it again from the gradient, whose value before the write is the one copied
+                        # under the alias written, put back where the alias lies in it.
+                        before = {**before, id(gradient): earlier}
+                    replayed = list(ops[: index + 1])
+                    if key not in before and id(gradient) not in before:
+                        # Not copied (a library's write of a tensor: clip_grad_norm_'s scaling by its coefficient,
+                        # every healthy step): what read the memory it overwrote is taken as it ran, not run again.
+                        replayed = _past_overwritten(replayed, ops, before)
+                    return self._claim_ops(replayed, self._rng, before, key)
         return None
 
     def _copy(self, tensor: torch.Tensor) -> None:
@@ -356,3 +392,62 @@ class UpdateRecorder(OutsideRecorder):
         if parameter is not None:
             self._clean = False
             self._copied = copy_before(self, tensor, parameter, self._copied)
+
+
+def _through(gradient: torch.Tensor, alias: torch.Tensor, copied: torch.Tensor) -> torch.Tensor | None:
+    """``gradient``'s value before a write through ``alias`` (a tensor on its memory: ``.data``, ``.view(-1)``, a
+    row), made of ``copied`` (the alias's copy before the write) where the alias lies within it; else None."""
+    if copied.shape == gradient.shape and alias.data_ptr() == gradient.data_ptr() and (
+            alias.stride() == gradient.stride()):
+        return copied
+    if not gradient.is_contiguous() or copied.shape != alias.shape:
+        return None
+    offset = alias.storage_offset() - gradient.storage_offset()
+    last = offset + sum((size - 1) * stride for size, stride in zip(alias.shape, alias.stride()))
+    if offset < 0 or last >= gradient.numel() or alias.dtype != gradient.dtype:
+        return None
+    earlier = gradient.detach().clone()
+    earlier.as_strided(alias.shape, alias.stride(), offset).copy_(copied)
+    return earlier
+
+
+def _memory(value: Any) -> tuple[int, int, int] | None:
+    """A recorded value's memory: its storage, its first and past-its-last byte; None for no strided tensor."""
+    tensor = value.ref() if isinstance(value, WeakRecord) else value
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided or not tensor.numel():
+        return None
+    start = tensor.data_ptr()
+    return tensor.untyped_storage().data_ptr(), start, start + tensor.numel() * tensor.element_size()
+
+
+def _past_overwritten(replayed: list[RecordedOp], ops: Sequence[RecordedOp], before: dict[int, Any]
+                      ) -> list[RecordedOp]:
+    """``replayed`` without the ops that only read memory a recorded write overwrote with no copy kept before it
+    (``clip_grad_norm_``'s norms of the gradients it then scales): run again, they would read the values written
+    since, not those they read; their outputs, held by the records and written by none of them, are what they made.
+    At an event only."""
+    overwritten: list[tuple[int, int, int]] = []
+    for op in ops:
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if plan is not None and plan.writes:
+            overwritten += [memory for value in written_by(plan, op.args, op.kwargs)
+                            if record_key(value) not in before and (memory := _memory(value)) is not None]
+    if not overwritten:
+        return replayed
+
+    def on_overwritten(values: Any) -> bool:
+        for value in tree_leaves(values):
+            if (memory := _memory(value)) is not None and any(
+                    memory[0] == storage and memory[1] < end and start < memory[2]
+                    for storage, start, end in overwritten):
+                return True
+        return False
+
+    kept = []
+    for op in replayed[:-1]:
+        plan = plan_of(op.func) if isinstance(op.func, torch._ops.OpOverload) else None
+        if (plan is not None and not plan.writes and on_overwritten((op.args, op.kwargs))
+                and not on_overwritten(op.out)):
+            continue
+        kept.append(op)
+    return [*kept, replayed[-1]]
