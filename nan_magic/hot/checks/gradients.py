@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from nan_magic.errors.frames import pointer_at, user_line
+from nan_magic.hot.checks.consumed import judge_after_consumer
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
@@ -60,10 +61,7 @@ ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
 
 class GradientChecks:
-    """Loss and per-module gradient checks of one watch.
-
-    ``replay_backward`` is None where calls keep no arguments to replay.
-    """
+    """Loss and per-module gradient checks of one watch (``replay_backward``: None where calls keep no arguments)."""
 
     def __init__(self, watch: GradientHost, origins: OriginFinder, loss_code: LossCodeReads,
                  replay_backward: ReplayBackward | None,
@@ -344,7 +342,7 @@ class GradientChecks:
         # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
         call.loss_of = self.loss_record, self.loss_key, self.backward_caller
         call.target = record
-        watch.timing.now(self.judge, call, record)
+        watch.timing.now(judge_after_consumer, self.judge, call, record)  # (judged once its consumer's node ran)
         self.release(record)
 
     def _forget_after_backward(self, outside: CodeRecorder) -> None:
@@ -364,7 +362,7 @@ class GradientChecks:
                     consumer.held.release(tensor)
             current = current.outer
 
-    def judge(self, call: Call, target: TensorRecord | None = None) -> None:
+    def judge(self, call: Call, target: TensorRecord | None = None, spread: bool = False) -> None:
         """Report the first non-finite gradient of a backward pass.
 
         ``target`` (immediate mode) is the forward tensor whose gradient
@@ -382,8 +380,7 @@ class GradientChecks:
             record_ref(record, TensorRole.OUTPUT_GRADIENT),
             bad=tensor.detach() if tensor is not None else None,
             bad_stats=None if tensor is not None else record.stats(),
-            record=record,
-        )
+            record=record, spread_past_consumer=spread)
         loss_record, finding.loss_key, finding.backward_caller = getattr(call, "loss_of", None) or (
             self.loss_record, self.loss_key, self.backward_caller)
         loss_graph = self.loss_graph if loss_record is self.loss_record else None  # (else: the loss's own node)
