@@ -139,3 +139,32 @@ def test_the_healthy_twin_is_silent_and_bit_identical(update: Any, parameters: i
     w, got = _loop(update, parameters, None, MODE_OPTIONS[mode])
     assert w.report is None and not w.events, [event.message for event in w.events]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def _centered(params: list[nn.Parameter], bad: int) -> None:
+    for i, p in enumerate(params):
+        g = p.grad
+        g.div_((g - g.mean()).pow(2).sum().sqrt() * (0.0 if i == bad else 1.0))  # the update
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_a_later_write_after_gradient_sized_temporaries_is_named(mode: str) -> None:
+    """Eight 512 x 512 layers (1 MiB gradients), ``g.div_((g - g.mean()).pow(2).sum().sqrt() * k)`` with k = 0 for
+    5.weight only, at step 3. The ops before each write make gradient-sized temporaries: kept with every write, they
+    filled the region's byte budget after a few parameters and 5.weight's write went unnamed in default, defer and
+    full (review of update-s39). The write is then kept alone, with its operand, as before session 39."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    params, xs = list(model.parameters()), [torch.randn(4, 512) for _ in range(5)]
+    with pytest.raises(NonFiniteError) as raised, nan_magic.watch(model, opt, **MODE_OPTIONS[mode]):
+        for step in range(5):
+            loss = model(xs[step]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            _centered(params, 10 if step == 3 else -1)
+            opt.step()
+    report = raised.value.report
+    assert (report.module, report.op, report.step) == (None, "aten.div_.Tensor", 3)
+    assert report.source is not None and report.source.lineno == _line(_centered, "the update")
+    assert report.tensor == TensorRef(TensorRole.PARAMETER_GRADIENT, "5.weight")

@@ -249,10 +249,11 @@ class UpdateRecorder(OutsideRecorder):
                     # coefficient: the first parameter's, which the step judges first, with the ops that made it).
                     writes = self._writes
                     last = writes[-1] if writes else None
-                    size, back, whole = 0, 1, False
+                    operands, back, whole = 0, 1, False
                     for arg in args[1:]:
                         if type(arg) is torch.Tensor:
-                            size += arg.nbytes
+                            operands += arg.nbytes
+                    size = operands
                     try:
                         while (earlier := ring[-back - 1]) is not last:
                             if type(made := earlier[3]) is torch.Tensor:  # (a view counted too: no more read)
@@ -260,6 +261,10 @@ class UpdateRecorder(OutsideRecorder):
                             back += 1
                     except IndexError:  # (back to the ring's first op: all of it)
                         whole = True
+                    if self._writes_bytes + size > KEEP_TOTAL:
+                        # The ops before it made gradient-sized temporaries (``(g - g.mean()).pow(2)``): the write is
+                        # kept alone, its operands held as before them (the replay then starts from the operand).
+                        size, back, whole = operands, 1, False
                     if self._writes_bytes + size <= KEEP_TOTAL:
                         self._writes_bytes += size
                         self._writes_left -= back
