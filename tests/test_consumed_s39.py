@@ -11,10 +11,10 @@ import nan_magic
 from nan_magic import NonFiniteError
 
 IMMEDIATE = [{}, {"mode": "full"}, {"ops": True}]
-#: Where the node consuming the gradient is not known to pass the NaN on (it never runs; a custom Function's node),
-#: the default (tiered) watch's step replay takes a NaN gradient beside the model's -inf fill for that deliberate
-#: infinity, and these runs (no optimizer) say nothing.
-PER_MODULE = [{"mode": "full"}, {"ops": True}]
+#: The default (tiered) watch takes a NaN gradient beside the model's -inf fill for that deliberate infinity and
+#: reports its spread at the optimizer step (contract: hunt_s38_kl_between_masked_categorical_policies); without an
+#: optimizer, these runs say nothing there.
+NAMING = [{"mode": "full"}, {"ops": True}]
 
 
 class Masked(nn.Module):
@@ -44,7 +44,7 @@ def _loss(o: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
     return torch.where(legal, o ** 2, 0.0).mean()  # NaN gradient at the masked entries only
 
 
-@pytest.mark.parametrize("options", PER_MODULE)
+@pytest.mark.parametrize("options", NAMING)
 def test_the_output_gradient_asked_for_by_autograd_grad_is_judged_as_the_pass_ends(options: dict) -> None:
     # The output's node never runs (autograd.grad asks for the output's own gradient): the NaN gradient the user gets
     # is judged when the backward pass ends, not lost.
@@ -55,7 +55,7 @@ def test_the_output_gradient_asked_for_by_autograd_grad_is_judged_as_the_pass_en
     assert w.report is not None and w.report.phase.value == "backward" and w.report.step == 0
 
 
-@pytest.mark.parametrize("options", IMMEDIATE)
+@pytest.mark.parametrize("options", NAMING)
 def test_a_user_hook_after_ours_that_spreads_the_nan_is_an_event(options: dict) -> None:
     # Our hook sees the NaN only at masked entries; the user's hook, registered after ours, spreads it over the
     # whole gradient, so the model's masked_fill returns NaN at legal entries: an event, named in backward.
@@ -89,7 +89,7 @@ def test_non_reentrant_checkpointing_runs_on_unharmed(options: dict) -> None:
     assert all(p.grad.isfinite().all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("options", PER_MODULE)
+@pytest.mark.parametrize("options", NAMING)
 @pytest.mark.xfail(strict=True, raises=NonFiniteError, reason=(
     "under reentrant activation checkpointing the masked output's consumer is the checkpoint's custom Function, "
     "whose backward computes the parameters' gradients in an inner backward it does not return: the NaN gradient "
@@ -101,7 +101,7 @@ def test_reentrant_checkpointing_of_a_healthy_masked_model(options: dict) -> Non
     assert w.report is None
 
 
-@pytest.mark.parametrize("options", PER_MODULE)
+@pytest.mark.parametrize("options", NAMING)
 def test_reentrant_checkpointing_still_names_a_real_incident(options: dict) -> None:
     model, x, legal = _setup(reentrant=True)
     with pytest.raises(NonFiniteError), nan_magic.watch(model, **options) as w:
@@ -122,7 +122,7 @@ class FilledByAParameter(nn.Module):
         return torch.where(legal, self.lin(x), self.fill)
 
 
-@pytest.mark.parametrize("options", IMMEDIATE)
+@pytest.mark.parametrize("options", NAMING)
 def test_a_node_with_several_inputs_that_passes_the_nan_to_one_is_an_event(options: dict) -> None:
     # The loss's sqrt(o + 1e4) is sqrt(0) at the filled entries: its backward is inf there, which the where's
     # backward drops from the logits' gradient but hands to the fill parameter's.

@@ -332,7 +332,7 @@ class OpOrigins:
         if origin is None:
             # (``last``: or in the loss region's records held as recorded since its first backward ended, where a
             # second loss computed before that backward is: ``l1.backward(); l2.backward()``.)
-            origin = outside.claim_backward(loss, key, last=True, fill=finding.spread_past_consumer)
+            origin = outside.claim_backward(loss, key, last=True)
         if origin is not None:
             attach_origin(finding, origin)
             if self.tracer is None:

@@ -16,9 +16,6 @@ Incidents: the NaN is not dropped, and reaches the first layer's weight gradient
   ``torch.where(legal, o ** 2, 0)`` at the masked entries on to the model;
 - the masked model's log-softmax, ``torch.where(legal, q ** 2, 0)``: the log-softmax backward spreads the NaN at
   the masked entries over the whole row, legal entries too.
-
-The immediate modes name the loss code's op (its consumer passed the NaN on, so the model's -inf the loss code read
-is its deliberate fill, and the step replay's meeting it is no benign outcome); the deferred check does not know that.
 """
 
 from __future__ import annotations
@@ -123,10 +120,11 @@ _DEFERRED = ("a healthy loop stopped: the deferred check reads the model output'
              "the node that consumed it (and dropped the NaN) is gone; it judges that gradient as the immediate "
              "mode would have without waiting for its consumer")
 _DEFER_STOPS = (("defer", _DEFERRED), ("ops-defer", _DEFERRED))
-_TAKEN_FOR_THE_FILL = ("deferred: the NaN gradient into the model's output is taken for the model's deliberate -inf, "
-                       "so the NaN it spreads to net.0.weight is reported later, as in "
+_TAKEN_FOR_THE_FILL = ("the NaN gradient into the model's output is taken for the model's deliberate -inf, so the NaN "
+                       "it spreads to net.0.weight is reported later, at the SGD step (phase optimizer), as in "
                        "hunt_s38_kl_between_masked_categorical_policies")
-_INCIDENT_GAPS = (("defer", _TAKEN_FOR_THE_FILL),)
+_NO_OP = "the per-module watch names backward at step 0 but no op: its replay of the loss code finds no origin"
+_INCIDENT_GAPS = (("default", _TAKEN_FOR_THE_FILL), ("defer", _TAKEN_FOR_THE_FILL), ("full", _NO_OP))
 
 CASES = [
     Case("calm_s39_where_filled_softmax_of_a_fully_masked_row_replaced", _where_filled_softmax, None,

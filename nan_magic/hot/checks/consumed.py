@@ -41,7 +41,7 @@ def judge_after_consumer(judge: Callable[..., None], *args: Any) -> None:
         if pending[0]:
             pending[0] = False
             if not _all_finite(grad_inputs):
-                judge(*args, spread=True)
+                judge(*args)
 
     def pass_ended() -> None:
         __tracebackhide__ = True

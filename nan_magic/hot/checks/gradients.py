@@ -362,7 +362,7 @@ class GradientChecks:
                     consumer.held.release(tensor)
             current = current.outer
 
-    def judge(self, call: Call, target: TensorRecord | None = None, spread: bool = False) -> None:
+    def judge(self, call: Call, target: TensorRecord | None = None) -> None:
         """Report the first non-finite gradient of a backward pass.
 
         ``target`` (immediate mode) is the forward tensor whose gradient
@@ -380,7 +380,8 @@ class GradientChecks:
             record_ref(record, TensorRole.OUTPUT_GRADIENT),
             bad=tensor.detach() if tensor is not None else None,
             bad_stats=None if tensor is not None else record.stats(),
-            record=record, spread_past_consumer=spread)
+            record=record,
+        )
         loss_record, finding.loss_key, finding.backward_caller = getattr(call, "loss_of", None) or (
             self.loss_record, self.loss_key, self.backward_caller)
         loss_graph = self.loss_graph if loss_record is self.loss_record else None  # (else: the loss's own node)

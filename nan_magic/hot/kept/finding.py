@@ -91,9 +91,6 @@ class Finding:
     # Its op ran in the backward of the loop's own autograd.grad(create_graph=True) (MAML's inner step), recorded
     # as the loop's code: a model call's gradient formula, which the step replay's backward may name.
     in_graph_grad: bool = False
-    # A gradient into a module output that the node consuming it passed on non-finite (hot/checks/consumed.py): not
-    # a deliberate infinity's NaN that the model's own backward drops (a -inf fill's, which never gets this far).
-    spread_past_consumer: bool = False
 
     def __post_init__(self) -> None:
         if self.call is not None and self.call.info is not None and self.module is None:

@@ -350,8 +350,8 @@ class RegionRecords:
             return (), None, None
         return witness[1], witness[2], witness[3]
 
-    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None, last: bool = False,
-                       fill: bool = False) -> OpFinding | None:
+    def claim_backward(self, loss: torch.Tensor | None, key: int | None = None, last: bool = False
+                       ) -> OpFinding | None:
         """The backward op of the recorded loss code that first made a gradient non-finite, or None.
 
         The ops that made ``loss`` run again with gradients, from copies of what they read from outside (those that
@@ -387,8 +387,6 @@ class RegionRecords:
         tracer.forward_task = torch._C._current_graph_task_id()
         try:
             copies, requiring = copies_from_outside(ops)
-            if fill:  # (the gradient spread past its consumer: the model's -inf fill the loss code read is deliberate)
-                tracer.note_benign(benign_copies(ops, copies, self.benign_input))
             # (The generators as the region's first random op found them: the same draws; the user's put back.)
             born: dict[int, RecordedOp] = {}  # the recorded op each forward origin was started by
             made: dict[int, RecordedOp] = {}  # the recorded op that created each autograd node, by its number

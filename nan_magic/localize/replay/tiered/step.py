@@ -197,8 +197,7 @@ class StepReplays(StepKeeping):
             outcome = self._run_as_read(candidates[0], boundary) or outcome
         if outcome.report is not None and not backward and is_fused(outcome.report.op):
             outcome = self._run_apart(root, boundary, seen, outcome.report.op) or outcome
-        if outcome.report is None and outcome.benign is not None and not (backward and finding.spread_past_consumer):
-            # (A gradient its consumer's node passed on non-finite is not the deliberate infinity its replay met.)
+        if outcome.report is None and outcome.benign is not None:
             if lacking := kinds_unexplained(outcome.boundary, seen):
                 # A kind the deliberate infinity does not make (a NaN never is): the replay ran from state the loop
                 # changed since (an attribute, by the deferred check), so the event is raised, not taken as benign.
