@@ -79,11 +79,11 @@ class GradientChecks:
         self.loss_key: int | None = None
         # The user's line of the last backward given a gradient (``user_line``), for a report of that gradient.
         self.given_line: tuple[Any, int, dict[str, Any]] | None = None
-        # Deferred mode: the loss code's autograd nodes, described before backward frees them (a backward producer
-        # there is found after).
+        # Deferred mode: the loss code's autograd nodes, described before
+        # backward frees them (a backward producer there is found after).
         self.loss_region: Note | None = None
         self.reported_this_pass = False
-        self.forget_queued = self.judged_at_end = False
+        self.forget_queued = False
         self.backward_runs = 0
         # Deferred mode: leaves the loss code saved, held weakly until the check (localize/outside/entering.py).
         # (None: the loss code was recorded, and what it read is found in its records at the check.)
@@ -98,8 +98,11 @@ class GradientChecks:
         self.backward_caller: tuple[Any, int, int] | None = None
 
     def hook_output(self, record: TensorRecord, tensor: torch.Tensor) -> None:
-        """Arm a gradient check on one module output (called from the forward hook); a tensor a child call returned
-        first (``record.inner``) already has our hook, and :func:`~.call_records.consumer_of` follows it outwards."""
+        """Arm a gradient check on one module output (called from the forward hook).
+
+        A tensor a child call returned first (``record.inner``) already has
+        our hook, and :func:`~nan_magic.hot.kept.call_records.consumer_of` follows it outwards.
+        """
         if record.inner is None:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
             if grad_fn is None:
@@ -305,8 +308,8 @@ class GradientChecks:
         # The hook sits on the innermost call that returned the tensor (hook_output): on a per-module step a model's
         # output is its last layer's, the model's own record the outermost. A model that returns its loss (``model(x,
         # y).backward()``) hands its output on to the loss's record, of no model call: the model's output gradient.
-        # (Not to a record of the tensor entering another model, ``head(body(x))``: its ``argument`` is set.)
         handed_on = record
+        # (Not to a record of the tensor entering another model, ``head(body(x))``: its ``argument`` is set.)
         while ((outer := handed_on.outer) is not None and outer.argument is None and outer.call is not None
                and outer.call.info is not None):
             handed_on = outer
@@ -316,8 +319,9 @@ class GradientChecks:
                 # Kept for a replay of this step's backward (replay/tiered/step.py), until the step ends.
                 watch.replays.capture_gradient(returned_by, str(handed_on.path), grad)
             if watch.outside is not None and not self.forget_queued:
-                # The loss code's records serve its backward, run before this gradient arrives: they go as this pass
-                # ends (_pass_ended); the deferred check's, at the optimizer step (timing.step_judged).
+                # The loss code's records serve its backward, which runs before this gradient arrives: judged as
+                # they come, they go when this backward pass ends (after every such hook judged). The deferred check
+                # reads them at the optimizer step, which lets them go (timing.step_judged).
                 watch.timing.now(self._forget_after_backward, watch.outside)
         log = watch.log
         # The hot path: a gradient found finite by a sum, judged as it comes, is only noted.
@@ -334,22 +338,16 @@ class GradientChecks:
                             grad, ranged=False)
         call.consumer = consumer
         # The backward that made it: judged at the deferred check after another (``l1.backward(retain_graph=True);
-        # l2.backward()``), its own loss's code is described and replayed, %debug opens at its line (judge). (Not the
-        # loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
+        # l2.backward()``), its own loss's code is the one described and replayed, its line where %debug opens (judge).
+        # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
         call.loss_of = self.loss_record, self.loss_key, self.backward_caller
-        call.target, self.judged_at_end = record, True  # (or as the pass ends, before its records go: _pass_ended)
+        call.target = record
         watch.timing.now(judge_after_consumer, self.judge, call, record)  # (judged once its consumer's node ran)
         self.release(record)
 
     def _forget_after_backward(self, outside: CodeRecorder) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._pass_ended, outside))
+        torch.autograd.Variable._execution_engine.queue_callback(outside.forget)
         self.forget_queued = True
-
-    def _pass_ended(self, outside: CodeRecorder) -> None:
-        if self.judged_at_end:  # (a gradient judged as the pass ends, its node never run, reads them first)
-            self.judged_at_end = False
-            return torch.autograd.Variable._execution_engine.queue_callback(outside.forget)
-        outside.forget()
 
     @staticmethod
     def release(record: TensorRecord) -> None:
