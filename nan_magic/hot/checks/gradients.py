@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from nan_magic.errors.frames import pointer_at, user_line
-from nan_magic.hot.checks.consumed import judge_after_consumer
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
@@ -61,7 +60,10 @@ ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
 
 class GradientChecks:
-    """Loss and per-module gradient checks of one watch (``replay_backward``: None where calls keep no arguments)."""
+    """Loss and per-module gradient checks of one watch.
+
+    ``replay_backward`` is None where calls keep no arguments to replay.
+    """
 
     def __init__(self, watch: GradientHost, origins: OriginFinder, loss_code: LossCodeReads,
                  replay_backward: ReplayBackward | None,
@@ -342,7 +344,7 @@ class GradientChecks:
         # (Not the loss's autograd graph: held here, it would outlive the step that forget_loss_graph ends.)
         call.loss_of = self.loss_record, self.loss_key, self.backward_caller
         call.target = record
-        watch.timing.now(judge_after_consumer, self.judge, call, record)  # (judged once its consumer's node ran)
+        watch.timing.now(self.judge, call, record)
         self.release(record)
 
     def _forget_after_backward(self, outside: CodeRecorder) -> None:
