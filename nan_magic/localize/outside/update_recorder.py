@@ -249,7 +249,7 @@ class UpdateRecorder(OutsideRecorder):
                     # coefficient: the first parameter's, which the step judges first, with the ops that made it).
                     writes = self._writes
                     last = writes[-1] if writes else None
-                    operands, back, whole = 0, 1, False
+                    operands, back = 0, 1
                     for arg in args[1:]:
                         if type(arg) is torch.Tensor:
                             operands += arg.nbytes
@@ -259,23 +259,17 @@ class UpdateRecorder(OutsideRecorder):
                             if type(made := earlier[3]) is torch.Tensor:  # (a view counted too: no more read)
                                 size += made.nbytes
                             back += 1
-                    except IndexError:  # (back to the ring's first op: all of it)
-                        whole = True
+                    except IndexError:  # (back to the ring's first op: all of it, ``back`` ops)
+                        pass
                     if self._writes_bytes + size > KEEP_TOTAL:
                         # The ops before it made gradient-sized temporaries (``(g - g.mean()).pow(2)``): the write is
                         # kept alone, its operands held as before them (the replay then starts from the operand).
-                        size, back, whole = operands, 1, False
+                        size, back = operands, 1
                     if self._writes_bytes + size <= KEEP_TOTAL:
                         self._writes_bytes += size
                         self._writes_left -= back
-                        # (+= and slices: no call; the ring's last ``back`` ops are taken newest first, turned after.)
-                        if whole:
-                            writes += ring
-                        elif back == 1:
-                            writes += (entry,)
-                        else:
-                            writes += islice(reversed(ring), back)
-                            writes[-back:] = writes[-1:-back - 1:-1]
+                        # (The ring's last ``back`` ops, oldest first; the write alone with no call.)
+                        writes += (entry,) if back == 1 else islice(ring, len(ring) - back, None)
                 return out
         if plan is not None and self.recording():
             written = written_by(plan, args, kwargs)
