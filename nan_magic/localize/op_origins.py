@@ -28,6 +28,7 @@ from nan_magic.hot.kept.finding import Finding, named_inputs, record_ref
 from nan_magic.hot.reads import is_checkable, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
+from nan_magic.localize.forward_called import in_forward_called
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.reached import bad_origin, failed_ops
 from nan_magic.localize.ops.sources import calls_from_caller
@@ -260,6 +261,7 @@ class OpOrigins:
             # The loop's code made the batch non-finite (``x = (x - m) / x.std(0)`` before the model call): %debug
             # opens at that op's line, not at the later line where the batch reached a boundary.
             self._frame_of_loop_op(finding, origin)
+            in_forward_called(finding, self._info_by_id)  # unless that line is a model's own (model.forward(x))
         elif origin.phase == Phase.BACKWARD and self.tracer is None:
             self._frame_of_loop_op(finding, origin)  # the loss code's node: where its forward line ran (a helper's)
         self._narrow_to_submodule(finding, origin)

@@ -160,7 +160,8 @@ class StepReplays(StepKeeping):
             # outputs, names the formula, its module and forward line; where it does not, the recorded op stands.
             candidates = [root for root in reversed(self.calls) if root.output_grads]
             backward, boundary = True, None
-        elif finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None:
+        elif finding.phase == Phase.FORWARD and finding.call is not None and finding.call.info is not None and (
+                finding.call.phase != Phase.DATA):  # (a batch the model's own code made: bypassed.py named the op)
             top = finding.call
             while top.parent is not None:
                 top = top.parent
