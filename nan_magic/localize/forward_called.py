@@ -1,9 +1,10 @@
-"""A watched module's ``forward`` called as a method: its own code is the module's, not the loop's data code.
+"""A watched module's ``forward`` called as a method: its own code is the module's, not the loop's.
 
 ``model.forward(x)`` bypasses the model's hooks (its children's still run), so the code in that ``forward`` runs
-where the watch records the loop's code, and a non-finite value it makes reaches the first child as a batch would:
-phase ``data``. PRODUCT.md's phase says where the producer ran, a module's forward; so the frames that ran the op
-are asked, at the event only, whether one of them is a watched module's ``forward``.
+where the watch records the loop's code: a non-finite value it makes reaches the first child as a batch would (phase
+``data``), or, made after its last child's call, the loss as the loss code's would (phase ``forward``, no module).
+PRODUCT.md's phase and module say where the producer ran, a module's forward; so the frames that ran the op are
+asked, at the event only, whether one of them is a watched module's ``forward``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _DEPTH = 32
 
 
 def in_forward_called(finding: Finding, info_by_id: Callable[[int], ModuleInfo | None] | None) -> None:
-    """Make a ``data`` finding whose op ran inside a watched module's ``forward`` that module's ``forward`` event."""
+    """Make a finding of the loop's code whose op ran inside a watched module's ``forward`` that module's event."""
     frame: FrameType | None = finding.frame
     if info_by_id is None:
         return
@@ -37,5 +38,7 @@ def in_forward_called(finding: Finding, info_by_id: Callable[[int], ModuleInfo |
             if info is not None:
                 finding.phase, finding.module = Phase.FORWARD, info.name
                 finding.module_type, finding.model = info.module_type, info.model
+                # (The loss check's "code outside the modules produced it" is not so: this module's code did.)
+                finding.notes = [note for note in finding.notes if note.kind != "outside-made-it"]
                 return
         frame = frame.f_back

@@ -248,6 +248,7 @@ class OpOrigins:
                     # A Dataset's own code (``__getitem__``, an IterableDataset's ``__iter__``) made what the loss
                     # read: the targets given to the loss, which are data (PRODUCT.md: phase), not the loss code.
                     finding.phase = Phase.DATA
+                in_forward_called(finding, self._info_by_id)  # unless a model's own forward ran it (model.forward(x))
             # The op may have run inside a module whose output no check read (a result object it returned): typed.
             self._name_type_and_model(finding)
             return

@@ -3,7 +3,8 @@
 ``module.forward(x)`` bypasses that module's hooks, so the watch sees its code run where the loop's code runs, and
 what it makes reaches the next watched call as a batch would. PRODUCT.md's phase says where the producer ran: a
 module's forward. Variants of hunt_s39f's row: the op in a helper method the forward calls; a submodule's forward
-called by the loop (the module is named by its path). Healthy twins: the same loops with the guard in place. And a
+called by the loop (the module is named by its path); the op after the forward's last child call, which reaches the
+loss as the loss code's op would (it was named with no module). Healthy twins: the same loops with the guard in place. And a
 loop whose own data code (outside every module) makes its batch non-finite before ``model.forward``: data, as before.
 """
 
@@ -121,7 +122,44 @@ def _loop_normalises(eps: float) -> Scenario:
     return Scenario((model,), run)
 
 
+class LogProbabilities(nn.Module):
+    """Log-probabilities as the log of ReLU'd scores: an all-negative row's log is -inf, after the last child call."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.net(x)
+        return torch.log(scores.relu() + self.eps)  # producer: forward tail
+
+
+def _forward_tail(eps: float) -> Scenario:
+    """``F.nll_loss(model.forward(x), y)``: the scores of step 0 hold zeros after the ReLU. Twin: eps 1e-3."""
+    torch.manual_seed(0)
+    model = LogProbabilities(eps)
+    xs, ys = _batches(5, 4), [torch.randint(0, 3, (5,)) for _ in range(3)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            loss = F.nll_loss(model.forward(xs[step]), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 CASES = [
+    Case("hunt_s40_forward_called_log_after_its_last_child_call", lambda: _forward_tail(0.0),
+         Expect("forward", "", "LogProbabilities", step=0, op="aten.log.default", marker="forward tail",
+                cause="log-domain")),
+    Case("hunt_s40_forward_called_log_after_its_last_child_call_with_eps_healthy", lambda: _forward_tail(1e-3), None),
     Case("hunt_s40_forward_called_helper_method_divides_an_all_zero_sample", lambda: _helper_method(0.0),
          Expect("forward", "", "Scaled", step=1, op="aten.div.Tensor", marker="helper shares")),
     Case("hunt_s40_forward_called_helper_method_with_eps_healthy", lambda: _helper_method(1e-6), None),
