@@ -4,8 +4,9 @@
 what it makes reaches the next watched call as a batch would. PRODUCT.md's phase says where the producer ran: a
 module's forward. Variants of hunt_s39f's row: the op in a helper method the forward calls; a submodule's forward
 called by the loop (the module is named by its path); the op after the forward's last child call, which reaches the
-loss as the loss code's op would (it was named with no module). Healthy twins: the same loops with the guard in place. And a
-loop whose own data code (outside every module) makes its batch non-finite before ``model.forward``: data, as before.
+loss as the loss code's op would (it was named with no module). Healthy twins: the same loops with the guard in
+place. And a loop whose own data code (outside every module) makes its batch non-finite before ``model.forward``:
+data, as before.
 """
 
 from __future__ import annotations
