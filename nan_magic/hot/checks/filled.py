@@ -50,8 +50,11 @@ def dropped_by_its_fill(grad: torch.Tensor | None, output_record: TensorRecord |
             return False
     except RuntimeError:  # an inference tensor: no version counter
         return False
-    with torch.no_grad():
-        return not bool((~torch.isfinite(grad) & ~torch.isinf(output)).any())
+    try:
+        with torch.no_grad():
+            return not bool((~torch.isfinite(grad) & ~torch.isinf(output)).any())
+    except (RuntimeError, TypeError, NotImplementedError):  # (a sparse gradient, a subclass: not judged here)
+        return False
 
 
 def _made_by_a_fill(node: Any) -> bool:
