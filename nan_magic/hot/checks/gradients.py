@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from nan_magic.errors.frames import pointer_at, user_line
+from nan_magic.hot.checks.filled import dropped_by_its_fill
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
@@ -60,10 +61,7 @@ ReplayBackward = Callable[[Finding, Call, TensorRecord], None]
 
 
 class GradientChecks:
-    """Loss and per-module gradient checks of one watch.
-
-    ``replay_backward`` is None where calls keep no arguments to replay.
-    """
+    """Loss and per-module gradient checks of one watch (``replay_backward``: None where calls keep no arguments)."""
 
     def __init__(self, watch: GradientHost, origins: OriginFinder, loss_code: LossCodeReads,
                  replay_backward: ReplayBackward | None,
@@ -372,10 +370,13 @@ class GradientChecks:
         """
         watch = self.watch
         record = call.outputs[0]
-        if self.reported_this_pass or not relevant_kinds(record.kinds, watch.config.kinds):
+        tensor = record.live()
+        if self.reported_this_pass or record.status == "benign" or not relevant_kinds(record.kinds, watch.config.kinds):
+            return
+        if dropped_by_its_fill(tensor, target if target is not None else getattr(call, "target", None)):
+            record.status = "benign"  # (judged: not again at a later check, where the output may be gone)
             return
         self.reported_this_pass = True
-        tensor = record.live()
         finding = Finding(
             Phase.BACKWARD,
             call,
