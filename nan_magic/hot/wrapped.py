@@ -21,7 +21,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 def unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
     """The plain tensor holding a transform's wrapper's values (grad's, jvp's, vmap's), detached; None for another
-    tensor, or where those values are no plain tensor's (a functionalized or efficient-zero one: jvp's zero tangent).
+    tensor, or where those values are no plain tensor's (functionalize's, or an efficient zero: jvp's zero tangent).
 
     vmap's batched tensor unwraps to its whole batch (the batch dimension included), a nest of transforms
     (``vmap(grad(f))``) to the innermost tensor.
@@ -29,8 +29,10 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
     if not _wrapped(tensor):
         return None
     while _wrapped(tensor):
+        if torch._is_functional_tensor(tensor):
+            return None  # functionalize's: its inner tensor may not hold the pending writes yet (no sync here)
         tensor = _unwrap(tensor)
-    if type(tensor) not in _PLAIN or torch._is_functional_tensor(tensor) or tensor._is_zerotensor():
+    if type(tensor) not in _PLAIN or tensor._is_zerotensor():
         return None
     if not tensor.requires_grad:
         return tensor
