@@ -252,8 +252,10 @@ TRANSFORMS = {
 
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 @pytest.mark.parametrize("options", MODES, ids=MODE_IDS)
-def test_values_inside_a_torch_func_transform_are_skipped_not_read(transform: str, options: dict[str, Any]) -> None:
-    # Reading a vmapped value to the host raises inside vmap: the watch crashed the user's code.
+def test_values_inside_a_torch_func_transform_are_read_through_it(transform: str, options: dict[str, Any]) -> None:
+    # Reading a vmapped value to the host raises inside vmap: the watch crashed the user's code. vmap's and grad's
+    # values are read through the plain tensor they wrap (hot/wrapped.py), never by .item() on the wrapper; those of
+    # functionalize (whose inner tensor may lag its pending writes) are skipped and counted.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     x = torch.randn(3, 2, 4)
@@ -261,8 +263,11 @@ def test_values_inside_a_torch_func_transform_are_skipped_not_read(transform: st
     with nan_magic.watch(model, **options) as w:
         got = TRANSFORMS[transform](model, x)
     assert torch.equal(got, expected)
-    # input and both outputs, at least (the tiered watch: the model's input and output)
-    assert w.report is None and w.skipped["functorch"] >= (2 if _tiered(options) else 3), dict(w.skipped)
+    assert w.report is None
+    if transform == "functionalize":  # input and both outputs, at least (the tiered watch: the model's in and out)
+        assert w.skipped["functorch"] >= (2 if _tiered(options) else 3), dict(w.skipped)
+    else:
+        assert not w.skipped, dict(w.skipped)
 
 
 @pytest.mark.parametrize("options", MODES, ids=MODE_IDS)

@@ -1,26 +1,20 @@
 """What the watch reads of a tensor, and the reads that say whether it is finite.
 
-:func:`probe` is the hot path, run on every watched tensor: one fused
-``torch.aminmax`` whose two scalars say whether the tensor is finite (NaN
-propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and give
-its range for the per-layer table. It allocates no full-size temporary, unlike
-``isfinite(x).all()``. :func:`norms` reads whole parameter sets at once;
-:func:`read_scalars` brings the 0-d results to the host in one transfer per
-device. The exact counts and summaries of a tensor involved in an event are
-hot/stats.py's.
+:func:`probe` is the hot path, run on every watched tensor: one fused ``torch.aminmax`` whose two scalars say
+whether the tensor is finite (NaN propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and give its
+range for the per-layer table. It allocates no full-size temporary, unlike ``isfinite(x).all()``. :func:`norms`
+reads whole parameter sets at once; :func:`read_scalars` brings the 0-d results to the host in one transfer per
+device. The exact counts and summaries of a tensor involved in an event are hot/stats.py's.
 
-What is read of a tensor (:func:`values_to_read`): a real floating tensor's
-own values; a complex tensor's real view (``torch.view_as_real``: a complex
-value is non-finite where its real or imaginary part is); a sparse tensor's
-stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is
-zero); a float8 tensor's values widened to float32 (torch has no float8
-reductions). Statistics describe what was read, so a complex tensor's counts are
-*per real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN,
-and its ``shape`` and ``numel`` are those of the real view (a trailing 2);
-a sparse tensor's are those of its stored values. A tensor the watch cannot
-read (:func:`unreadable_reason`: nested, meta, packed float4, a subclass with
-its own dispatch such as a fake or functional tensor) is skipped and counted, never
-read: reading it would fail or run someone else's code.
+What is read of a tensor (:func:`values_to_read`): a real floating tensor's own values; a complex tensor's real view
+(``torch.view_as_real``: a complex value is non-finite where its real or imaginary part is); a sparse tensor's
+stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is zero); a float8 tensor's values widened to
+float32 (torch has no float8 reductions). Statistics describe what was read, so a complex tensor's counts are *per
+real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN, and its ``shape`` and ``numel`` are those of the
+real view (a trailing 2); a sparse tensor's are those of its stored values. A tensor the watch cannot read
+(:func:`unreadable_reason`: nested, meta, packed float4, a subclass with its own dispatch such as a fake or
+functional tensor) is skipped and counted, never read: reading it would fail or run someone else's code. A
+``torch.func`` transform's wrapper (grad's, vmap's) is read through the plain tensor it wraps (hot/wrapped.py).
 """
 
 from __future__ import annotations
@@ -34,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from nan_magic.hot.wrapped import unwrapped
 
 __all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
            "is_checkable_op_value", "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched",
@@ -91,7 +87,8 @@ def unreadable_reason(value: torch.Tensor) -> str | None:
     ``nested`` (a nested tensor has no single shape to reduce), ``meta``
     (no data), ``float4`` (packed float4 has no NaN or inf to hold, and no
     kernels to read it), ``functorch`` (a value inside ``torch.func.vmap``, ``grad``
-    or ``functionalize``: reading it to the host is not allowed there), or
+    or ``functionalize``: a wrapper, whose values :func:`iter_tensors` reads through
+    :func:`unwrapped` where it can, and never itself), or
     the class name of a subclass that overrides ``__torch_dispatch__`` (a
     fake tensor, a functional wrapper, a distributed tensor: a reduction
     would fail, have no data, or communicate). A subclass overriding only
@@ -390,8 +387,8 @@ def iter_tensors(
     if type(value) is torch.Tensor:  # the common case: one output
         if is_checkable(value):
             return [(path, value)]
-        if skipped is not None:
-            _count_unreadable(value, skipped)
+        if skipped is not None and (inner := _count_unreadable(value, skipped)) is not None:
+            return [(path, inner)]
         return []
     found: list[tuple[str, torch.Tensor]] = []
     _collect(value, path, 0, found, skipped, attributes)
@@ -419,18 +416,16 @@ def object_tensors(value: Any) -> list[tuple[str, torch.Tensor]] | None:
 def transformed_call(args: Any, kwargs: Any) -> bool:
     """Whether a call's arguments hold a ``torch.func`` transform's wrapper (a call made inside ``vmap``): such a
     call cannot be replayed once the transform has returned. Off the hot path: asked at a replay only."""
-    skipped: Counter[str] = Counter()
-    iter_tensors((args, kwargs), "", skipped)
-    return bool(skipped["functorch"])
+    return any(isinstance(t, torch.Tensor) and _transformed(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
 def unread_parts(output: Any) -> tuple[str, ...]:
     """Why a module's return value, of which :func:`iter_tensors` read nothing, held floating values unread.
 
-    The :func:`unreadable_reason` of each floating tensor left out (``functorch`` for a call inside
-    ``torch.func.vmap``), and ``object <class>`` for a return value that is an object whose tensors, if any, are
-    not its own attributes (``__slots__``, a list of tensors). Empty for a value with nothing floating to read (an
-    integer tensor). Off the hot path: asked only of a call whose output gave no record.
+    The :func:`unreadable_reason` of each floating tensor left out (``functorch``: inside ``functionalize``), and
+    ``object <class>`` for a return value that is an object whose tensors, if any, are not its own attributes
+    (``__slots__``, a list of tensors). Empty for a value with nothing floating to read (an integer tensor). Off the
+    hot path: asked only of a call whose output gave no record.
     """
     skipped: Counter[str] = Counter()
     iter_tensors(output, "", skipped, attributes=True)
@@ -442,10 +437,15 @@ def unread_parts(output: Any) -> tuple[str, ...]:
     return tuple(reasons)
 
 
-def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> None:
+def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> torch.Tensor | None:
+    """Count a tensor the watch cannot read under its reason; but a ``torch.func`` wrapper's plain tensor (wrapped.py),
+    where it can be read, is returned instead, to be read in the wrapper's place."""
     reason = unreadable_reason(tensor) if skipped is not None else None
     if reason is not None:
+        if reason == "functorch" and (inner := unwrapped(tensor)) is not None and is_checkable(inner):
+            return inner
         skipped[reason] += 1  # type: ignore[index]
+    return None
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))
@@ -462,15 +462,15 @@ def _collect(
     if isinstance(value, torch.Tensor):
         if is_checkable(value):
             found.append((path, value))
-        else:
-            _count_unreadable(value, skipped)
+        elif (inner := _count_unreadable(value, skipped)) is not None:
+            found.append((path, inner))
     elif type(value) is tuple or type(value) is list:
         for index, item in enumerate(value):
             if isinstance(item, torch.Tensor):
                 if is_checkable(item):
                     found.append((f"{path}[{index}]", item))
-                else:
-                    _count_unreadable(item, skipped)
+                elif (inner := _count_unreadable(item, skipped)) is not None:
+                    found.append((f"{path}[{index}]", inner))
             elif not isinstance(item, _LEAVES) and depth < 6:
                 _collect(item, f"{path}[{index}]", depth + 1, found, skipped, attributes)
     elif isinstance(value, _LEAVES) or depth >= 6:

@@ -32,6 +32,7 @@ from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of, tensor_stats
+from nan_magic.hot.wrapped import unwrapped
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.masks import DeliberateMasks
 from nan_magic.localize.ops.origins import OpFinding
@@ -246,6 +247,10 @@ class ProducerRule(CallInputs):
                       if (outer + name).startswith(prefix)]  # (the slots of call's own module and below)
             swapped = swapped.parent
         for name, tensor in found:
+            # (Inside torch.func.grad or vmap the slots hold the transform's wrappers of the loop's tensors: read
+            # and named by the loop's tensor itself.)
+            if (inner := unwrapped(tensor)) is not None:
+                tensor = inner
             if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
                 return name, tensor
         return None

@@ -132,26 +132,27 @@ def _policy(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
-#: Known limits (strict xfails): a training step made wholly of torch.func transforms is invisible to the watch.
-_FUNC_SILENT = (
-    "silent: the weights go NaN at step 2 (log(1 - p) = -inf in the loss) and nothing is reported. Every forward "
-    "and the loss run inside torch.func.grad, whose values the watch does not read (hot/reads.py takes every functorch "
-    "wrapper as unreadable, though .item() is allowed under grad alone), the parameters live in the user's dict, and "
-    "there is no backward() and no optimizer step to check. Reading grad's wrappers is not enough: the op tracer then "
-    "fails on them ('Cannot access storage of TensorWrapper' in ops mode, the user's run broken)")
-_DP_SILENT = (
-    "silent: the per-sample gradient of 0 is divided by its norm of 0 in the loop's code, on the plain tensors vmap "
-    "returned, and the NaN goes into the user's parameter dict; the watch checks no value there (no backward(), no "
-    "optimizer step), and each later forward runs inside vmap(grad(...)), whose values cannot be read")
+#: Known limits (strict xfails): a training step made wholly of torch.func transforms is reported one step late, at
+#: the next forward (tests/test_func_steps.py holds what every mode says).
+_FUNC_LATE = (
+    "reported at step 3, not 2: the loss (log(1 - p) = +inf) and the gradients are made inside torch.func.grad, whose "
+    "own autograd.grad (create_graph=True) is not judged as a loss backward, and there is no optimizer step; the NaN "
+    "is first seen at step 3's forward, in the parameter slot functional_call filled with the loop's tensor (module "
+    "None, the stand-in named), with no op (default, full, ops) or grad's backward div at the grad() line (defer)")
+_DP_LATE = (
+    "reported at step 3, not 2: the per-sample gradient of 0 is divided by its norm of 0 in the loop's code, between "
+    "two vmap(grad(...)) steps with no backward() and no optimizer step; the NaN is first seen at step 3's forward, "
+    "in the parameter slot functional_call filled with the loop's tensor (module None). ops=True names the div at its "
+    "line (phase forward); defer names it as phase data; default and full name no op")
 
 CASES = [
     Case("hunt_s39c_func_grad_hand_bce_of_a_saturated_sigmoid", lambda: _func_logistic(False),
          Expect("forward", None, step=2, op="aten.log.default", marker="func bce", cause="log-domain"),
-         marks=(pytest.mark.xfail(strict=True, reason=_FUNC_SILENT),)),
+         marks=(pytest.mark.xfail(strict=True, reason=_FUNC_LATE),)),
     Case("hunt_s39c_func_grad_bce_with_logits_healthy", lambda: _func_logistic(True), None),
     Case("hunt_s39c_dp_sgd_automatic_clipping_of_a_zero_gradient", lambda: _dp_sgd(0.0),
          Expect("forward", None, step=2, op="aten.div.Tensor", marker="auto clip", cause="division-by-zero"),
-         marks=(pytest.mark.xfail(strict=True, reason=_DP_SILENT),)),
+         marks=(pytest.mark.xfail(strict=True, reason=_DP_LATE),)),
     Case("hunt_s39c_dp_sgd_automatic_clipping_with_stability_healthy", lambda: _dp_sgd(0.01), None),
     Case("hunt_s39c_policy_returning_normal_with_a_zero_observation_std", lambda: _policy(0.0),
          Expect("forward", "", "GaussianPolicy", step=2, op="aten.div.Tensor", marker="obs norm",

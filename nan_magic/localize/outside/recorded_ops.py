@@ -89,14 +89,22 @@ def finite_now(tensor: torch.Tensor) -> bool:
 
 
 def alive(value: Any) -> torch.Tensor:
+    """A recorded tensor, still alive; :class:`Gone` where it is not, or where it was a ``torch.func`` transform's
+    wrapper (an op the loop's code ran inside ``grad`` or ``vmap``): the transform has returned, and its values
+    cannot be run again outside it."""
     if isinstance(value, WeakRecord):
         tensor = value.ref()
         if tensor is None:
             tensor = value.kept
-        if tensor is None:
+        if tensor is None or _wrapped(tensor):
             raise Gone
         return tensor
+    if isinstance(value, torch.Tensor) and _wrapped(value):
+        raise Gone
     return value
+
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor],

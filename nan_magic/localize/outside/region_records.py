@@ -286,7 +286,9 @@ class RegionRecords:
         try:
             copies, _requiring = copies_from_outside(ops, before)
             tracer.note_benign(benign_copies(ops, copies, self.benign_input))  # (a -inf fill the model made)
-            with torch.no_grad(), generators_at(rng), tracer:
+            # (Without torch.func's transforms: a deferred check can run inside the next step's vmap, where the loop's
+            # own ops, a noise draw among them, would run batched or be refused.)
+            with torch.no_grad(), generators_at(rng), tracer, torch._C._DisableFuncTorch():
                 for ran, op in enumerate(ops):
                     first = len(tracer.started)
                     rerun_op(op, copies)

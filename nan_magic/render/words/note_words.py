@@ -422,7 +422,7 @@ def _subject(pairs: Any) -> str:
 
 #: Why an output was not read (hot/reads.unread_parts' words), as a sentence's object.
 _UNREAD: dict[str, str] = {
-    "functorch": "a value inside a torch.func transform such as vmap, which cannot be read to the host there",
+    "functorch": "a value inside torch.func.functionalize, whose inner tensor may not hold its pending writes yet",
     "nested": "a nested tensor",
     "meta": "a meta tensor, which holds no data",
 }

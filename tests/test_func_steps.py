@@ -1,0 +1,55 @@
+"""A training step made wholly of torch.func transforms (no backward(), no optimizer, the parameters in the loop's
+dict): the watch reports its NaN in every mode, never crashes the run, and changes none of its values.
+
+The contract rows (hunt_s39c.py, funcs_s40.py) say where the report should be; those that do not hold yet are strict
+xfails there. This file holds what every mode gives today: an event at the first forward that runs on the loop's
+non-finite tensor (read through the transform's wrapper, hot/reads.py ``unwrapped``), named as the tensor
+functional_call swapped in for the parameter, outside every module. Before, every mode was silent while the weights
+went NaN, and ``ops=True`` crashed the run ("Cannot access storage of TensorWrapper").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from contract import MODE_OPTIONS, funcs_s40, hunt_s39c
+from test_contract import same
+
+import nan_magic
+from nan_magic import NonFiniteError
+
+_INCIDENTS = {
+    "func_grad_hand_bce": lambda: hunt_s39c._func_logistic(False),
+    "dp_sgd_auto_clip": lambda: hunt_s39c._dp_sgd(0.0),
+    "grad_and_value_target_scale": lambda: funcs_s40._grad_and_value(0.0),
+    "vjp_unit_residual": lambda: funcs_s40._vjp(0.0),
+    "params_dict_sub": lambda: funcs_s40._in_place(0.0),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+@pytest.mark.parametrize("incident", list(_INCIDENTS))
+def test_a_func_step_nan_is_reported_as_the_loops_tensor(incident: str, mode: str) -> None:
+    scenario = _INCIDENTS[incident]()
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODE_OPTIONS[mode]):
+        scenario.run()
+    report = caught.value.report
+    assert report.module is None, report.message  # the loop's code, not the model's own forward
+    swapped = [note.fact("name") for note in report.note_facts if note.kind == "swapped-in"]
+    assert swapped and swapped[0].endswith("weight"), report.to_text()
+    assert sum(report.counts.values()) > 0, report.counts
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+@pytest.mark.parametrize("incident", list(_INCIDENTS))
+def test_a_func_step_watched_with_warn_computes_what_it_computes_unwatched(incident: str, mode: str) -> None:
+    """on_detect="warn": the run goes on past the event, through every later transform, to the same values."""
+    expected: Any = _INCIDENTS[incident]().run()
+    scenario = _INCIDENTS[incident]()
+    with pytest.warns(Warning), nan_magic.watch(*scenario.targets, **MODE_OPTIONS[mode], on_detect="warn") as w:
+        got = scenario.run()
+    assert w.report is not None
+    assert same(got, expected)
+    assert any(torch.isnan(t).any() for t in got if isinstance(t, torch.Tensor))  # (the NaN did reach the weights)
