@@ -69,6 +69,9 @@ class ProducerRule(CallInputs):
         self._emit = emit
         self.replayer = replayer
         self.origins = origins
+        #: The finding of the loop's code that assigned a parameter a forward read non-finite (``p.data = v``), by
+        #: the op that made its memory (LoopWrites.claim_assigned), or None; asked at that event only.
+        self.assigned: Callable[[str, torch.Tensor], Finding | None] | None = None
         self.stack = stack
         #: The step's non-finite batch, held until the step shows whether the program handled it (held_batch.py).
         self.held = held
@@ -185,6 +188,9 @@ class ProducerRule(CallInputs):
             name = ref.name
             finding = Finding(Phase.FORWARD, call, ref, bad=parameter.detach(), record=record, inputs=inputs)
             finding.notes.append(Note.of("already-bad", name=name, module=call.name))
+            if self.assigned is not None and name is not None and (
+                    assigned := self.assigned(name, parameter)) is not None:
+                finding = assigned  # the loop's code assigned it (``p.data = v``): that code's op and line
         else:
             finding = Finding(
                 Phase.FORWARD,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from types import FrameType
 
 import torch
 from torch import nn
@@ -44,7 +43,8 @@ from nan_magic.hot.reads import norms, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.tracer import OpTracer
-from nan_magic.localize.outside.lr_lines import name_lr_line, number_counts, same_number
+from nan_magic.localize.outside.assigned import assigned_gradient, claim_assigned
+from nan_magic.localize.outside.lr_lines import name_lr
 from nan_magic.localize.outside.param_writes import (
     DataWrites,
     Index,
@@ -128,8 +128,9 @@ class LoopWrites:
             self.data = DataWrites(data, self._cached_index)
             data.on_write = self.data.on_write
         self._rebound = Rebound(self._cached_index, self._fresh_index)  # ``param.data = v`` (param_writes.py)
-        #: Watched parameters the loop replaced by new ones (``m.bias = nn.Parameter(v)``): :meth:`on_registered`.
-        self._replaced: list[torch.Tensor] = []
+        #: Watched parameters the loop replaced by new ones (``m.bias = nn.Parameter(v)``), each with an alias of its
+        #: memory then (a ``.data = ...`` since rebinds it): :meth:`on_registered`.
+        self._replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._update_rebound = Rebound(self._cached_index, self._fresh_index)  # the same, in the update region
 
     def on_registered(self, module: nn.Module, name: str, parameter: torch.Tensor | None) -> None:
@@ -143,7 +144,7 @@ class LoopWrites:
         if (parameter is not None and old is not None and self._data_recorder is not None
                 and parameter.is_floating_point() and id(old) in self._cached_index()[0]  # (meta: no values)
                 and (old.is_meta or old.layout is not torch.strided or bool(torch.isfinite(old).all()))):
-            self._replaced.append(parameter)
+            self._replaced.append((parameter, parameter.detach()))
 
     def _replacements(self, main: RegionRecords) -> list[tuple[str, torch.Tensor, torch.Tensor, RegionRecords]]:
         """The watched parameters that replaced others since the last region's end (:meth:`on_registered`)."""
@@ -151,8 +152,12 @@ class LoopWrites:
         by_id = self._fresh_index()[0]  # (the new ones under their names)
         self._rebound.forget()  # (its parameters are learned again: the new ones among them)
         found = []
-        for parameter in replaced:
+        for parameter, alias in replaced:
             if (entry := by_id.get(id(parameter))) is not None and entry[1] is parameter:
+                if has_own_memory(parameter) and parameter.data_ptr() != alias.data_ptr():
+                    # Rebound since (``p.data = p.data / p.data.norm()`` after the registration): the region's ops
+                    # read its memory then, the alias's, which a replay must start from (as Rebound.moved's).
+                    main.before.setdefault(id(parameter), alias)
                 found.append((entry[0], parameter, made if (made := main.made_on(parameter)) is not None else parameter,
                               main))
         return found
@@ -258,7 +263,11 @@ class LoopWrites:
         # the parameters; a region that wrote one is looked up afresh (a parameter may have been replaced).
         written = [tensor for tensor in recorder.written() if self._parameter_of(tensor) is not None]
         found = self._watched(written) if written else []
-        self._wanted = (bool(found) or count <= CHEAP_REGION) and "update" not in recorder.untraced
+        # (A region that assigned a gradient, ``p.grad = total / count``, is recorded every step too: watched, its ring
+        # would drop the first gradients' ops. Asked as a recorded region that wrote no parameter ends: not again once
+        # it is watched.)
+        self._wanted = (bool(found) or count <= CHEAP_REGION or assigned_gradient(
+            recorder._produced, self._cached_index()[0].values())) and "update" not in recorder.untraced
         if not found:
             self._hold(recorder)
         return [(name, parameter, tensor, recorder) for name, parameter, tensor in found]
@@ -300,32 +309,20 @@ class LoopWrites:
         an event only.
         """
         tracer = self._tracer() if self._tracer is not None else None
-        origin: OpFinding | None = None
-        if tracer is not None:  # (ops mode: the step's origins, latest first, but the step's own and backward's)
-            origin = next((found for found in reversed(tracer.started) if found.phase is Phase.FORWARD
-                           and found.numel == 1 and same_number(found.nan, found.posinf, found.neginf, lr)), None)
-            frame, position = tracer.frame_of(origin) if origin is not None else (None, None)
-            calls: tuple[tuple[FrameType, int, int], ...] = ()
-        elif (recorder := self._recorder) is not None:
-            if recorder._ring:
-                recorder._record_ring()
-            for op in reversed(recorder._ops):
-                out = op.out
-                if (type(out) is torch.Tensor and out.is_floating_point() and out.numel() == 1
-                        and same_number(*number_counts(float(out)), lr)):
-                    origin = recorder.claim(out)
-                    break
-            _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
-            calls = recorder.calls_to(frame) if frame is not None else ()
-        if origin is None:
-            return name_lr_line(finding, lr, raw)
-        attach_origin(finding, origin)
-        finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,  # (with its output's counts: the cause's)
-                                     line=origin.source.lineno if origin.source is not None else None,
-                                     nan=origin.nan, posinf=origin.posinf, neginf=origin.neginf))
-        if frame is not None:
-            finding.frame, finding.frame_position, finding.frame_calls = frame, position, calls
-        return True
+        return name_lr(finding, lr, raw, tracer, self._recorder)
+
+    def claim_assigned(self, name: str, parameter: torch.Tensor) -> Finding | None:
+        """A forward read ``parameter`` non-finite, and no write the watch followed made it: the finding of the loop's
+        code that assigned it (``vector_to_parameters(theta, params)``, no optimizer and no backward: a loss region),
+        named by the recorded op that made its memory (assigned.py); else None. At that event only."""
+        for records in (self._data_recorder, self._recorder):
+            if (origin := claim_assigned(records, parameter)) is not None and records is not None:
+                finding = self._finding(name, parameter, step=self._step())
+                self._attach(finding, origin)
+                _tensors, finding.frame, finding.frame_position = records.witness(origin)
+                finding.frame_calls = records.calls_to(finding.frame)
+                return finding
+        return None
 
     def judge(self, values: list[float]) -> None:
         """Report the first written parameter whose norm (``values``, of the first pending in :meth:`end`'s order:
@@ -337,7 +334,9 @@ class LoopWrites:
                     continue
                 if not relevant_kinds(kinds_of(parameter), self._kinds):
                     continue
-                origin = records.claim(written)
+                # (Else the op that made the memory it was assigned since: a write first followed, ``w[3] = 0``,
+                # then ``w.data = w.data / norm`` in a helper, which no replay of that write's ops makes.)
+                origin = records.claim(written) or claim_assigned(records, parameter)
                 if origin is None and _copied(records, written):
                     continue  # copied from a state already non-finite: the next forward's check names it, as ops=True
                 finding = self._finding(name, parameter, after_step=records is not self._recorder)
@@ -446,8 +445,9 @@ class LoopWrites:
                 found.append((entry[0], entry[1], tensor))
         return found
 
-    def _finding(self, name: str, parameter: torch.Tensor, after_step: bool = False) -> Finding:
-        step = self._pending_step if self._tracer is None else self._step()
+    def _finding(self, name: str, parameter: torch.Tensor, after_step: bool = False, step: int | None = None
+                 ) -> Finding:
+        step = step if step is not None else self._pending_step if self._tracer is None else self._step()
         finding = Finding(Phase.OPTIMIZER, None, TensorRef.parameter(name), bad=parameter.detach(), step=step)
         self._attribute(finding)
         finding.notes.append(Note.of("loop-wrote-after-step" if after_step else "loop-wrote", name=name))

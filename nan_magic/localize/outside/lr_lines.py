@@ -17,14 +17,20 @@ import math
 import sys
 from itertools import pairwise
 from types import CodeType, FrameType
+from typing import TYPE_CHECKING
 
 import torch
 
 from nan_magic.errors.frames import is_library_code, pointer_at
 from nan_magic.hot.kept.finding import Finding
-from nan_magic.records import Note
+from nan_magic.localize.ops.origins import OpFinding, attach_origin
+from nan_magic.records import Note, Phase
 
-__all__ = ["LrLine", "lr_line", "name_lr_line", "number_counts", "same_number"]
+if TYPE_CHECKING:
+    from nan_magic.localize.ops.tracer import OpTracer
+    from nan_magic.localize.outside.update_recorder import UpdateRecorder
+
+__all__ = ["LrLine", "lr_line", "name_lr", "name_lr_line", "number_counts", "same_number"]
 
 _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_FAST_STORE_FAST"})
 _LOADS = frozenset({"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"})
@@ -35,6 +41,38 @@ _COMPUTES = ("BINARY_OP", "UNARY_", "CALL", "PRECALL", "COMPARE_OP")
 
 #: ``(frame, name, line, offset)``: the loop's frame, the name bound to the rate, and the store that bound it.
 LrLine = tuple[FrameType, str, int, int]
+
+
+def name_lr(finding: Finding, lr: float, raw: object, tracer: OpTracer | None, recorder: UpdateRecorder | None
+            ) -> bool:
+    """:meth:`LoopWrites.name_lr`: the op of the update code (ops mode: ``tracer``'s origins; else ``recorder``'s
+    records) that made the non-finite rate ``lr``, else the loop's line that set it; True when one was named."""
+    origin: OpFinding | None = None
+    if tracer is not None:  # (ops mode: the step's origins, latest first, but the step's own and backward's)
+        origin = next((found for found in reversed(tracer.started) if found.phase is Phase.FORWARD
+                       and found.numel == 1 and same_number(found.nan, found.posinf, found.neginf, lr)), None)
+        frame, position = tracer.frame_of(origin) if origin is not None else (None, None)
+        calls: tuple[tuple[FrameType, int, int], ...] = ()
+    elif recorder is not None:
+        if recorder._ring:
+            recorder._record_ring()
+        for op in reversed(recorder._ops):
+            out = op.out
+            if (type(out) is torch.Tensor and out.is_floating_point() and out.numel() == 1
+                    and same_number(*number_counts(float(out)), lr)):
+                origin = recorder.claim(out)
+                break
+        _tensors, frame, position = recorder.witness(origin) if origin is not None else ((), None, None)
+        calls = recorder.calls_to(frame) if frame is not None else ()
+    if origin is None:
+        return name_lr_line(finding, lr, raw)
+    attach_origin(finding, origin)
+    finding.notes.append(Note.of("lr-made-by-loop", lr=lr, op=origin.op,  # (with its output's counts: the cause's)
+                                 line=origin.source.lineno if origin.source is not None else None,
+                                 nan=origin.nan, posinf=origin.posinf, neginf=origin.neginf))
+    if frame is not None:
+        finding.frame, finding.frame_position, finding.frame_calls = frame, position, calls
+    return True
 
 
 def name_lr_line(finding: Finding, lr: float, raw: object) -> bool:

@@ -1,0 +1,87 @@
+"""What the loop's code *assigned* to a parameter or a gradient, which no in-place write shows: at an event only.
+
+``p.grad = total / count`` (federated averaging over a gradient made by ``autograd.grad``), ``p.data = v``
+(``vector_to_parameters``, a renormalisation written ``w.data = w.data / w.data.norm()``) run no op on the parameter:
+the value assigned was made by a recorded op, which is found here by the memory it left the parameter on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, finite_now, record_key
+from nan_magic.localize.outside.region_records import RegionRecords
+
+__all__ = ["assigned_gradient", "claim_assigned"]
+
+
+def assigned_gradient(produced: dict[int, int], parameters: Iterable[tuple[str, torch.Tensor]]) -> bool:
+    """Whether a watched parameter's gradient is the output of a recorded op (``produced``: the records' outputs by
+    id): the region's code assigned it (``p.grad = total / count``)."""
+    return any(id(parameter.grad) in produced for _name, parameter in parameters if parameter.grad is not None)
+
+
+def _tensor(value: Any) -> torch.Tensor | None:
+    tensor = value.ref() if isinstance(value, WeakRecord) else value
+    if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and tensor.numel():
+        return tensor
+    return None
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _on_memory(ops: list[RecordedOp], end: int, address: int) -> int | None:
+    """The latest of ``ops[:end]`` that returned a tensor on the storage at ``address``, or None."""
+    for index in range(end - 1, -1, -1):
+        for out in tree_leaves(ops[index].out):
+            if (tensor := _tensor(out)) is not None and _storage(tensor) == address:
+                return index
+    return None
+
+
+def _unexplained(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.Tensor) -> int | None:
+    """The index of the recorded op that made ``tensor``'s memory non-finite from finite operands, walked back from
+    the latest op whose output lies on that memory, through the first non-finite operand of each, as they are now
+    (an operand a recorded op made, by its id; one read by reference, a parameter rebound since, by the memory the
+    op's output still shares with it: a view); None where the walk leaves the records (a value read non-finite)."""
+    at = _on_memory(ops, len(ops), _storage(tensor))
+    for _ in range(len(ops)):
+        if at is None:
+            return None
+        op = ops[at]
+        bad = next((read for value in tree_leaves((op.args, op.kwargs)) if (read := _tensor(value)) is not None
+                    and read.is_floating_point() and not finite_now(read)), None)
+        if bad is None:
+            return at
+        made = produced.get(id(bad))
+        if made is not None and made < at:
+            at = made
+            continue
+        outs = [out for value in tree_leaves(op.out) if (out := _tensor(value)) is not None]
+        # (Read by reference and rebound since: the view the op returned still lies on the memory it read.)
+        address = _storage(bad) if not outs or _storage(outs[0]) == _storage(bad) else _storage(outs[0])
+        at = _on_memory(ops, at, address)
+    return None
+
+
+def claim_assigned(records: RegionRecords | None, tensor: torch.Tensor) -> OpFinding | None:
+    """The recorded op that made the memory ``tensor`` (a parameter) was assigned, run again on its operands as they
+    are now under the op tracer (records.claim's replay, of that one op); None where no recorded op explains it.
+    Looked for in the region's records, then in those held past the model call that ended it (``_data``: the deferred
+    check's). A cold walk of the records: asked only where a parameter is found non-finite that no recorded write
+    explains."""
+    if records is None or tensor.layout is not torch.strided or not tensor.numel():
+        return None
+    for ops, produced, rng in ((records._ops, records._produced, records._rng), records._data or ([], {}, None)):
+        at = _unexplained(ops, produced, tensor) if ops else None
+        if at is not None:
+            target = next((key for key in map(record_key, tree_leaves(ops[at].out)) if key is not None), None)
+            return records._claim_ops([ops[at]], rng, {}, target)
+    return None
