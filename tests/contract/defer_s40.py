@@ -118,7 +118,8 @@ def _static_distance(step_at: int | None) -> Scenario:
 def _written_after_the_call(step_at: int | None, how: str, spelled: str = "torch",
                             dtype: torch.dtype | None = None) -> Scenario:
     """Two views per step through one model, the second built in place on the batch after the first forward
-    (``how="add"``: ``x.add_(0.25)``; ``"mul"``: ``x.mul_(1.5).add_(0.25)``; ``"prefetch"``: the next step's batch
+    (``how="add"``: ``x.add_(0.25)``; ``"mul"``: ``x.mul_(1.5).add_(0.25)``; ``"index"``:
+    ``x[:, :3] = 1.0``; ``"prefetch"``: the next step's batch
     copied into the static buffer before the backward, as a prefetcher does). Step ``step_at``'s batch holds a
     feature of exactly 0: the first view's log is -inf. ``dtype``: the forwards under CPU autocast of that dtype."""
     torch.manual_seed(0)
@@ -142,6 +143,8 @@ def _written_after_the_call(step_at: int | None, how: str, spelled: str = "torch
                     first = model(x).float()
                 if how == "add":
                     x.add_(0.25)
+                elif how == "index":
+                    x[:, :3] = 1.0  # (a feature-dropout view, written through an index)
                 else:
                     x.mul_(1.5).add_(0.25)
                 with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
@@ -183,6 +186,10 @@ CASES = [
         0, "mul", "method"), _log(0, "log method")),
     Case("defer_s40_second_view_built_in_place_bf16_autocast_log_of_a_zero_step_1", lambda: _written_after_the_call(
         1, "add", dtype=torch.bfloat16), _log(1)),
+    Case("defer_s40_second_view_written_through_an_index_log_of_a_zero_step_2", lambda: _written_after_the_call(
+        2, "index"), _log(2)),
+    Case("defer_s40_second_view_written_through_an_index_healthy", lambda: _written_after_the_call(None, "index"),
+         None),
     Case("defer_s40_second_view_built_in_place_healthy", lambda: _written_after_the_call(None, "add"), None),
     Case("defer_s40_second_view_built_in_place_bf16_autocast_healthy", lambda: _written_after_the_call(
         None, "mul", dtype=torch.bfloat16), None),

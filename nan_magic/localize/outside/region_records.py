@@ -117,7 +117,7 @@ class RegionRecords:
         self.benign_input: Callable[[torch.Tensor], bool] | None = None  # a read tensor a benign event judged
         #: Told of a tensor needing no gradient that the loss code is about to write in place (deferred: a model
         #: call's input, a batch, may be one; StepKeeping.input_written keeps it as the call read it), else None.
-        self.input_written: Callable[[torch.Tensor], None] | None = None
+        self.input_written: Callable[[torch.Tensor, int], None] | None = None
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -142,7 +142,7 @@ class RegionRecords:
             tensor = args[index] if index < len(args) else kwargs.get(name)
             if (self.input_written is not None and type(tensor) is torch.Tensor and not tensor.requires_grad
                     and tensor.layout is torch.strided and not tensor.is_nested and tensor.nbytes <= KEEP_TOTAL):
-                self.input_written(tensor)  # (the batch written after the call read it: a second view built in place)
+                self.input_written(tensor, KEEP_TOTAL)  # (the batch written after the call read it: a second view)
             if (type(tensor) is not torch.Tensor or not tensor.requires_grad or id(tensor) in self.before
                     or self.made(tensor)):
                 continue
