@@ -380,6 +380,8 @@ class Watch(WatchEvents):
         self.replays = self.localizing.kept  # the step's top-level calls (the hooks keep them; modes.py)
         if self.replays is not None:  # (a per-module watch's replay of a call that wrote its input in place)
             self.call_replay.inputs_before = self.replays.inputs_before_of
+            if self.outside is not None and self.timing.deferred:  # (a batch written after the call, before the check)
+                self.outside.input_written = self.replays.input_written
         #: The latest DataLoader batch's samples, fetched again at a data event (localize/replay/samples.py).
         self.samples = Samples(self.config.kinds)
         self.lockstep = Lockstep(self._roots, self.optimizers.in_use)

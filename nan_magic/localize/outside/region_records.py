@@ -115,6 +115,9 @@ class RegionRecords:
         #: started the loss region, and the root's call ran its ops. None: no watch names roots.
         self.root_hook: Callable[[CodeType, FrameType | None], str | None] | None = None
         self.benign_input: Callable[[torch.Tensor], bool] | None = None  # a read tensor a benign event judged
+        #: Told of a tensor needing no gradient that the loss code is about to write in place (deferred: a model
+        #: call's input, a batch, may be one; StepKeeping.input_written keeps it as the call read it), else None.
+        self.input_written: Callable[[torch.Tensor, int], None] | None = None
 
     def recorded(self) -> int:
         """How many ops the region recorded so far."""
@@ -137,6 +140,9 @@ class RegionRecords:
             if name not in plan.writes:
                 continue
             tensor = args[index] if index < len(args) else kwargs.get(name)
+            if (self.input_written is not None and type(tensor) is torch.Tensor and not tensor.requires_grad
+                    and tensor.layout is torch.strided and not tensor.is_nested and tensor.nbytes <= KEEP_TOTAL):
+                self.input_written(tensor, KEEP_TOTAL)  # (the batch written after the call read it: a second view)
             if (type(tensor) is not torch.Tensor or not tensor.requires_grad or id(tensor) in self.before
                     or self.made(tensor)):
                 continue

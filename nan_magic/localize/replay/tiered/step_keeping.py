@@ -251,6 +251,20 @@ class StepKeeping:
         )
         return rng
 
+    def input_written(self, tensor: torch.Tensor, limit: int) -> None:
+        """The loop's code is about to write ``tensor`` in place after a kept call of the step read it (``x.add_()``
+        building a second view, the next batch prefetched into the static buffer before ``backward()``): that call
+        keeps a copy of it first, the value it read, for its replay at the deferred check (``inputs_before``). Asked
+        only by loss code that writes in place (outside/region_records.py), and only where the check is deferred.
+        A view written (``x[:, :3] = 1``) is the input's: the whole input is copied, where within ``limit`` bytes."""
+        base = tensor._base if tensor._is_view() else tensor
+        for root in self.calls:
+            for held, version in root.versions:
+                if (held is tensor or held is base or (held._is_view() and held._base is base)) and version_of(
+                        held) == version and held.nbytes <= limit and not any(
+                        kept is held for kept, _copy in root.inputs_before):
+                    root.inputs_before = (*root.inputs_before, (held, held.detach().clone()))
+
     def inputs_before_of(self, call: Call) -> dict[int, torch.Tensor]:
         """What a held top-level call of a model seen writing its input in place kept of its inputs, by the input's
         id: their values before the call (input_writes.py), for a per-module watch's replay of it."""
