@@ -53,3 +53,57 @@ def test_a_func_step_watched_with_warn_computes_what_it_computes_unwatched(incid
     assert w.report is not None
     assert same(got, expected)
     assert any(torch.isnan(t).any() for t in got if isinstance(t, torch.Tensor))  # (the NaN did reach the weights)
+
+
+def _own_parameters(eps: float) -> tuple[torch.nn.Module, Any]:
+    """funcs_s40's in-place hinge step over ``dict(model.named_parameters())``: the model's own weights, which grad
+    wraps (no ``nn.Parameter`` in the slot then, though no tensor of the loop's either)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    params = dict(model.named_parameters())
+    xs = [torch.randn(6, 5) for _ in range(4)]
+    ys = [torch.randint(0, 2, (6,)).float() * 2 - 1 for _ in range(4)]
+    with torch.no_grad():
+        xs[2] = 1000.0 * ys[2][:, None] * torch.nn.functional.normalize(params["weight"][0], dim=0)
+
+    def hinge(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(1 - y * torch.func.functional_call(model, p, (x,)).squeeze(-1)).mean()
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for step in range(4):
+            g = torch.func.grad(hinge)(params, xs[step], ys[step])
+            norm = torch.stack([t.norm() for t in g.values()]).norm()
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.sub_(0.1 * g[k] / (norm + eps))
+            out.append(model.weight.detach().clone())
+        return out
+
+    return model, run
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_the_models_own_weight_under_grad_is_named_a_parameter_never_the_loops_tensor(mode: str) -> None:
+    """The common idiom ``params = dict(model.named_parameters())``: the NaN weight is the model's own parameter.
+    Before, the report said 'torch.func.functional_call ran the model with a tensor of the loop's own code in
+    weight's place: it is no parameter of the model' (review of funcs-s40). ops=True names the loop's division."""
+    model, run = _own_parameters(0.0)
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, **MODE_OPTIONS[mode]):
+        run()
+    report = caught.value.report
+    assert not any(note.kind == "swapped-in" for note in report.note_facts), report.to_text()
+    if report.op is None:  # (the tiered and full modes: the parameter the root read, already non-finite)
+        assert (report.module, str(report.tensor)) == ("", "parameter weight"), report.to_text()
+        assert report.cause is not None and report.cause.label == "parameter-already-nonfinite"
+    else:
+        assert report.op == "aten.div.Tensor" and report.module is None, report.to_text()
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_the_models_own_weights_under_grad_with_eps_stay_silent_and_unchanged(mode: str) -> None:
+    expected = _own_parameters(1e-6)[1]()
+    model, run = _own_parameters(1e-6)
+    with nan_magic.watch(model, **MODE_OPTIONS[mode]) as w:
+        got = run()
+    assert w.report is None and same(got, expected)

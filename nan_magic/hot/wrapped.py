@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["unwrapped"]
+__all__ = ["unwrapped", "wraps_a_parameter"]
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap = torch._C._functorch.get_unwrapped
@@ -38,3 +38,11 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
         return tensor
     with torch._C._DisableFuncTorch():  # (a detach under the transform would return the transform's wrapper again)
         return tensor.detach()
+
+
+def wraps_a_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a transform's wrapper of an ``nn.Parameter``: the model's own weight, passed to the
+    transform as ``dict(model.named_parameters())`` (no stand-in of the loop's, though no ``nn.Parameter`` itself)."""
+    while _wrapped(tensor) and not torch._is_functional_tensor(tensor):
+        tensor = _unwrap(tensor)
+    return isinstance(tensor, nn.Parameter)

@@ -32,7 +32,7 @@ from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of, tensor_stats
-from nan_magic.hot.wrapped import unwrapped
+from nan_magic.hot.wrapped import unwrapped, wraps_a_parameter
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.masks import DeliberateMasks
 from nan_magic.localize.ops.origins import OpFinding
@@ -255,6 +255,8 @@ class ProducerRule(CallInputs):
         for name, tensor in found:
             # (Inside torch.func.grad or vmap the slots hold the transform's wrappers of the loop's tensors: read
             # and named by the loop's tensor itself.)
+            if wraps_a_parameter(tensor):
+                continue  # (the model's own weight under a transform: a parameter, not the loop's tensor)
             if (inner := unwrapped(tensor)) is not None:
                 tensor = inner
             if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):

@@ -17,6 +17,7 @@ from nan_magic.hot.kept.finding import Finding, mark_deliberate, record_ref
 from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.reads import is_checkable, relevant_kinds, version_of
 from nan_magic.hot.stats import kinds_of
+from nan_magic.hot.wrapped import unwrapped
 from nan_magic.localize.ops.masks import DeliberateMasks, argument_name
 from nan_magic.records import Phase, TensorRef, TensorRole
 
@@ -77,6 +78,8 @@ class CallInputs:
         for role, name, tensor in named:
             if id(tensor) in masks:
                 continue
+            if (inner := unwrapped(tensor)) is not None:  # (its own weight under a torch.func transform: read inside)
+                tensor = inner
             if is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds):
                 return TensorRef(role, prefix + name), tensor
         return None
