@@ -20,10 +20,21 @@ from nan_magic.localize.outside.region_records import RegionRecords
 __all__ = ["assigned_gradient", "claim_assigned"]
 
 
-def assigned_gradient(produced: dict[int, int], parameters: Iterable[tuple[str, torch.Tensor]]) -> bool:
-    """Whether a watched parameter's gradient is the output of a recorded op (``produced``: the records' outputs by
-    id): the region's code assigned it (``p.grad = total / count``)."""
-    return any(id(parameter.grad) in produced for _name, parameter in parameters if parameter.grad is not None)
+def assigned_gradient(ops: list[RecordedOp], produced: dict[int, int],
+                      parameters: Iterable[tuple[str, torch.Tensor]]) -> bool:
+    """Whether a watched parameter's gradient is the output of a recorded op that did not write it in place
+    (``produced``: the records' outputs by id, to the latest op's index): the region's code assigned it (``p.grad =
+    total / count``). ``p.grad.div_(2.0)`` returns the gradient itself, read as its operand: no assignment."""
+    for _name, parameter in parameters:
+        grad = parameter.grad
+        index = produced.get(id(grad)) if grad is not None else None
+        while index is not None and index >= 0:
+            op = ops[index]
+            if any(record_key(out) == id(grad) for out in tree_leaves(op.out)) and all(
+                    record_key(value) != id(grad) for value in tree_leaves((op.args, op.kwargs))):
+                return True  # (made by an op that did not read it: assigned)
+            index -= 1
+    return False
 
 
 def _tensor(value: Any) -> torch.Tensor | None:

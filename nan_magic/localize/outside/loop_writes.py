@@ -267,7 +267,7 @@ class LoopWrites:
         # would drop the first gradients' ops. Asked as a recorded region that wrote no parameter ends: not again once
         # it is watched.)
         self._wanted = (bool(found) or count <= CHEAP_REGION or assigned_gradient(
-            recorder._produced, self._cached_index()[0].values())) and "update" not in recorder.untraced
+            recorder._ops, recorder._produced, self._cached_index()[0].values())) and "update" not in recorder.untraced
         if not found:
             self._hold(recorder)
         return [(name, parameter, tensor, recorder) for name, parameter, tensor in found]
