@@ -117,3 +117,45 @@ def test_deferred_report_of_a_batch_over_8_mib_written_after_the_call() -> None:
             opt.step()
     report = caught.value.report
     assert (report.phase, report.module, report.step, report.op) == ("forward", "", 1, "aten.log.default")
+
+
+def test_a_rollout_writing_the_next_row_of_the_buffer_its_policy_read_keeps_no_copy() -> None:
+    """A rollout's storage (PPO): ``policy(obs_buf[t])`` under no_grad, then ``obs_buf[t + 1].copy_(next_obs)``. The
+    write is to another row of the buffer the call read from, which it never read: no copy (review of defer-s40:
+    one copy an environment step, 48 over three updates, each held on the device under defer=True, the CUDA
+    default). The update's call over ``obs_buf[:T]`` is followed by no write to it."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        return policy, torch.optim.Adam(policy.parameters(), lr=1e-3)
+
+    def run(policy: nn.Module, opt: torch.optim.Optimizer, kept: list[int] | None = None,
+            watch: nan_magic.Watch | None = None) -> list[torch.Tensor]:
+        gen, out = torch.Generator().manual_seed(1), []
+        for _update in range(2):
+            obs_buf = torch.zeros(9, 4, 8)
+            obs_buf[0].copy_(torch.randn(4, 8, generator=gen))
+            actions = []
+            for t in range(8):
+                with torch.no_grad():
+                    actions.append(policy(obs_buf[t]).argmax(-1))
+                obs_buf[t + 1].copy_(torch.tanh(obs_buf[t] + 0.1 * torch.randn(4, 8, generator=gen)))  # env step
+                if watch is not None and kept is not None:
+                    kept.append(sum(len(root.inputs_before) for root in watch.replays.calls))
+            logp = F.log_softmax(policy(obs_buf[:8].reshape(-1, 8)), -1)
+            loss = -logp.gather(1, torch.stack(actions).reshape(-1, 1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out
+
+    expected = run(*build())
+    policy, opt = build()
+    kept: list[int] = []
+    with nan_magic.watch(policy, opt, defer=True) as w:
+        got = run(policy, opt, kept, w)
+    assert w.report is None
+    assert kept == [0] * 16
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

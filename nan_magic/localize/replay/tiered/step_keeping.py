@@ -256,12 +256,12 @@ class StepKeeping:
         building a second view, the next batch prefetched into the static buffer before ``backward()``): that call
         keeps a copy of it first, the value it read, for its replay at the deferred check (``inputs_before``). Asked
         only by loss code that writes in place (outside/region_records.py), and only where the check is deferred.
-        A view written (``x[:, :3] = 1``) is the input's: the whole input is copied, where within ``limit`` bytes."""
-        base = tensor._base if tensor._is_view() else tensor
+        A view written (``x[:, :3] = 1``) is the input's: the whole input is copied, where within ``limit`` bytes.
+        Another part of the same buffer (``obs_buf[t + 1].copy_(obs)`` after ``policy(obs_buf[t])``, a rollout's
+        storage) is not: only a write whose memory meets the input's copies it."""
         for root in self.calls:
             for held, version in root.versions:
-                if (held is tensor or held is base or (held._is_view() and held._base is base)) and version_of(
-                        held) == version and held.nbytes <= limit and not any(
+                if _meet(held, tensor) and version_of(held) == version and held.nbytes <= limit and not any(
                         kept is held for kept, _copy in root.inputs_before):
                     root.inputs_before = (*root.inputs_before, (held, held.detach().clone()))
 
@@ -466,3 +466,22 @@ def _trainable(module: nn.Module) -> frozenset[int]:
         for parameter in child._parameters.values()
         if parameter is not None and parameter.requires_grad
     )
+
+
+def _meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' spans of memory meet (the same storage, overlapping byte ranges: a strided view's gaps
+    count as its own, so this may say yes for interleaved views that share no element, never no for ones that do)."""
+    if a is b:
+        return True
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_start, a_end), (b_start, b_end) = _span(a), _span(b)
+    return a_start < b_end and b_start < a_end
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    if not tensor.numel():
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return start, start + (last + 1) * tensor.element_size()
