@@ -176,3 +176,48 @@ def test_a_user_hook_that_zeroes_the_nan_is_silent(options: dict) -> None:
     with nan_magic.watch(model, opt, **options) as w:
         run()
     assert w.report is None
+
+
+class _ViewedAfterTheFill(nn.Module):
+    """The filled scores returned through a view the loss code then reads entry by entry (review of masks-s40:
+    ``.t()``, ``.unsqueeze()`` and a slice after the fill stopped full, ops and ops-defer)."""
+
+    def __init__(self, view: str) -> None:
+        super().__init__()
+        self.view = view
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.view == "slice":
+            wide = torch.cat([self.net(x), self.net(x)], -1)
+            return wide.masked_fill(~torch.cat([_LEGAL, _LEGAL], -1), float("-inf"))[:, :3]
+        filled = self.net(x).masked_fill(~_LEGAL, float("-inf"))
+        return filled.t() if self.view == "t" else filled.unsqueeze(1)
+
+
+@pytest.mark.parametrize("options", FIVE_MODES)
+@pytest.mark.parametrize("view", ["t", "unsqueeze", "slice"])
+def test_a_healthy_masked_loop_viewed_after_the_fill_is_silent_and_bit_identical(view: str, options: dict) -> None:
+    def loop() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = _ViewedAfterTheFill(view)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01), [torch.randn(2, 6) for _ in range(3)]
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        losses = []
+        for x in xs:
+            out = model(x)
+            legal = _LEGAL.t() if view == "t" else _LEGAL.unsqueeze(1) if view == "unsqueeze" else _LEGAL
+            loss = torch.where(legal, out ** 2, 0.0).mean()  # NaN gradient at the filled entries only
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    expected = run(*loop())
+    model, opt, xs = loop()
+    with nan_magic.watch(model, opt, **options) as w:
+        got = run(model, opt, xs)
+    assert w.report is None
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

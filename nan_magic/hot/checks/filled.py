@@ -3,7 +3,9 @@
 A model that fills illegal logits with -inf (``scores.masked_fill(~legal, -inf)``, ``torch.where(legal, scores,
 -inf)``) and loss code whose backward is NaN at those entries only (a softmax over a fully masked row replaced by 0,
 ``torch.where(legal, o ** 2, 0)``, a ListNet over an empty candidate list) sends a NaN gradient into the output
-there; the fill's backward zeroes the filled entries, so no parameter's gradient ever sees it.
+there; the fill's backward zeroes the filled entries, so no gradient of the model's parameters ever sees it. (The
+same NaN may reach a learnable of the loss code that multiplies the output, ``where(legal, (o * t) ** 2, 0)``, or an
+unwatched critic's: their gradients go NaN and the watch, which reads neither, reports the NaN loss of the next step.)
 
 Judged at an event only (a gradient found non-finite, immediate or at the deferred check), from what the forward
 left: the output tensor itself, unchanged since the forward judged its infinities deliberate (its record's status
@@ -28,7 +30,9 @@ __all__ = ["dropped_by_its_fill"]
 _FILLS = frozenset({"MaskedFillBackward0", "MaskedFillBackward1", "WhereBackward0"})
 #: Backward nodes that hand each entry's gradient to the same entry (a copy, a view): walked through to a fill.
 _CARRIERS = frozenset({"CloneBackward0", "ToCopyBackward0", "NegBackward0", "AliasBackward0", "ViewBackward0",
-                       "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+                       "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0", "TransposeBackward0",
+                       "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
+                       "SqueezeBackward2", "SliceBackward0", "SelectBackward0", "ExpandBackward0"})
 _WALK = 8
 
 
