@@ -107,3 +107,28 @@ def test_the_models_own_weights_under_grad_with_eps_stay_silent_and_unchanged(mo
     with nan_magic.watch(model, **MODE_OPTIONS[mode]) as w:
         got = run()
     assert w.report is None and same(got, expected)
+
+
+class _WithAnEmptyBlock(torch.nn.Module):
+    """A zero-width feature block beside a Linear, the model called inside vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.extra = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.lin(x), self.extra(x[..., :0])], -1)
+
+
+@pytest.mark.parametrize("mode", list(MODE_OPTIONS))
+def test_an_empty_output_inside_vmap_is_read_as_empty_not_counted_unreadable(mode: str) -> None:
+    """An empty value has nothing to read, inside vmap as outside; it counted as 'functorch: 1' unread, whose words
+    speak of functionalize (review of funcs-s40)."""
+    torch.manual_seed(0)
+    model = _WithAnEmptyBlock()
+    with nan_magic.watch(model, **MODE_OPTIONS[mode]) as w:
+        for _ in range(3):
+            torch.func.vmap(model)(torch.rand(3, 4))
+    assert w.report is None
+    assert dict(w.skipped) == {}

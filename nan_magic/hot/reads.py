@@ -441,9 +441,11 @@ def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> tor
     """Count a tensor the watch cannot read under its reason; but a ``torch.func`` wrapper's plain tensor (wrapped.py),
     where it can be read, is returned instead, to be read in the wrapper's place."""
     reason = unreadable_reason(tensor) if skipped is not None else None
-    if reason is not None:
-        if reason == "functorch" and (inner := unwrapped(tensor)) is not None and is_checkable(inner):
+    if reason == "functorch" and (inner := unwrapped(tensor)) is not None:
+        if is_checkable(inner):
             return inner
+        reason = unreadable_reason(inner)  # (the plain tensor's own: an empty one has none, as unwrapped)
+    if reason is not None:
         skipped[reason] += 1  # type: ignore[index]
     return None
 
