@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.wrapped import unwrapped
+from nan_magic.hot.wrapped import is_wrapped, unwrapped
 
 __all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
            "is_checkable_op_value", "iter_tensors", "norms", "object_tensors", "probe", "probe_kinds", "read_batched",
@@ -65,7 +65,7 @@ def is_checkable(value: Any) -> bool:
         and value.layout is _STRIDED
         and not value.is_meta
         and not value.is_nested
-        and not _functorch_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
+        and not is_wrapped(value)  # (_transformed, inlined: this is asked of every tensor checked)
         and not _is_functional(value)
     ):
         return 0 not in value.shape  # the hot path: a dense real floating tensor of torch's own type
@@ -115,8 +115,6 @@ def unreadable_reason(value: torch.Tensor) -> str | None:
 _NO_NONFINITE = frozenset(dtype for dtype in (getattr(torch, "float4_e2m1fn_x2", None),) if dtype is not None)
 
 
-#: Whether a tensor is a functorch transform's wrapper (vmap's batched, grad's tracking one).
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 #: Whether a tensor is functionalize's wrapper.
 _is_functional = torch._is_functional_tensor
 #: The floating dtypes of more than one byte: those :func:`is_checkable` finds readable as they are.
@@ -142,7 +140,7 @@ BATCHED_GRADS = _BatchedGrads()
 
 def _transformed(value: torch.Tensor) -> bool:
     """A value of a ``torch.func`` transform in progress (one C call each: this is on the hot path)."""
-    return _functorch_wrapped(value) or torch._is_functional_tensor(value)
+    return is_wrapped(value) or torch._is_functional_tensor(value)
 
 
 @functools.cache

@@ -12,11 +12,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["unwrapped", "wraps_a_parameter"]
+__all__ = ["is_wrapped", "unwrapped", "wraps_a_parameter"]
 
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+#: Whether a tensor is a transform's wrapper (grad's, jvp's, vmap's, functionalize's): torch's own test, one C call.
+is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap = torch._C._functorch.get_unwrapped
 _PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _innermost(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a nest of wrappers holds, as it is (not detached); None inside functionalize's wrapper, whose inner
+    tensor may not hold the pending writes yet (no sync here)."""
+    while is_wrapped(tensor):
+        if torch._is_functional_tensor(tensor):
+            return None
+        tensor = _unwrap(tensor)
+    return tensor
 
 
 def unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -26,23 +37,17 @@ def unwrapped(tensor: torch.Tensor) -> torch.Tensor | None:
     vmap's batched tensor unwraps to its whole batch (the batch dimension included), a nest of transforms
     (``vmap(grad(f))``) to the innermost tensor.
     """
-    if not _wrapped(tensor):
+    if not is_wrapped(tensor) or (inner := _innermost(tensor)) is None:
         return None
-    while _wrapped(tensor):
-        if torch._is_functional_tensor(tensor):
-            return None  # functionalize's: its inner tensor may not hold the pending writes yet (no sync here)
-        tensor = _unwrap(tensor)
-    if type(tensor) not in _PLAIN or tensor._is_zerotensor():
+    if type(inner) not in _PLAIN or inner._is_zerotensor():
         return None
-    if not tensor.requires_grad:
-        return tensor
+    if not inner.requires_grad:
+        return inner
     with torch._C._DisableFuncTorch():  # (a detach under the transform would return the transform's wrapper again)
-        return tensor.detach()
+        return inner.detach()
 
 
 def wraps_a_parameter(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a transform's wrapper of an ``nn.Parameter``: the model's own weight, passed to the
     transform as ``dict(model.named_parameters())`` (no stand-in of the loop's, though no ``nn.Parameter`` itself)."""
-    while _wrapped(tensor) and not torch._is_functional_tensor(tensor):
-        tensor = _unwrap(tensor)
-    return isinstance(tensor, nn.Parameter)
+    return is_wrapped(tensor) and isinstance(_innermost(tensor), nn.Parameter)

@@ -186,11 +186,13 @@ class ProducerRule(CallInputs):
         if bad_parameter is not None:
             ref, parameter = bad_parameter
             name = ref.name
-            finding = Finding(Phase.FORWARD, call, ref, bad=parameter.detach(), record=record, inputs=inputs)
-            finding.notes.append(Note.of("already-bad", name=name, module=call.name))
-            if self.assigned is not None and name is not None and (
-                    assigned := self.assigned(name, parameter)) is not None:
-                finding = assigned  # the loop's code assigned it (``p.data = v``): that code's op and line
+            # The loop's code may have assigned it (``p.data = v``): then that code's op and line are the finding.
+            assigned = self.assigned(name, parameter) if self.assigned is not None and name is not None else None
+            if assigned is not None:
+                finding = assigned
+            else:
+                finding = Finding(Phase.FORWARD, call, ref, bad=parameter.detach(), record=record, inputs=inputs)
+                finding.notes.append(Note.of("already-bad", name=name, module=call.name))
         else:
             finding = Finding(
                 Phase.FORWARD,

@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from nan_magic.errors.frames import pointer_at
+from nan_magic.hot.wrapped import is_wrapped
 from nan_magic.localize.ops.derived import ModelDerived
 from nan_magic.localize.ops.divisor import recorded_spread
 from nan_magic.localize.ops.plans import arguments, plan_of, tensors
@@ -96,15 +97,13 @@ def alive(value: Any) -> torch.Tensor:
         tensor = value.ref()
         if tensor is None:
             tensor = value.kept
-        if tensor is None or _wrapped(tensor):
+        if tensor is None or is_wrapped(tensor):
             raise Gone
         return tensor
-    if isinstance(value, torch.Tensor) and _wrapped(value):
+    if isinstance(value, torch.Tensor) and is_wrapped(value):
         raise Gone
     return value
 
-
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor],
