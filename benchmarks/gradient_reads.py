@@ -52,6 +52,13 @@ def _ways(grads: list[torch.Tensor], kept: torch.Tensor, views: list[torch.Tenso
     def flat_vector_norm() -> object:  # one op for the norm (not the dot's rounding)
         return torch.linalg.vector_norm(_flatten(grads))
 
+    found, one = torch.zeros(1), torch.ones(1)
+
+    def scaler_check() -> object:  # GradScaler's fused check at scale 1: no norm, and it writes the gradients
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return found
+
     return {name: way for name, way in locals().items() if callable(way)}
 
 

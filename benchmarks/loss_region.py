@@ -25,8 +25,10 @@ step is cut into four segments (``zero_grad``, the model call and the loss code,
 step), each timed in this thread's CPU time; the columns run in turn, 6 rounds of 60 steps: unwatched, the
 default watch, the default watch with its loss region not pushed (the recorder's push skipped for that region
 only: what the region costs, all of it), the default watch with a minimal ``TorchFunctionMode`` pushed in its
-place (one record a torch function: what recording at the function level would cost at the least), and the
-boundary floor (baselines.py: the tiered default's reads alone). Medians, in microseconds.
+place (one record a torch function: what recording at the function level would cost at the least), the default
+watch with its recorder passing the loss region's ops through unrecorded (the dispatch mode's own cost, without the
+records and what is done with them), and the boundary floor (baselines.py: the tiered default's reads alone).
+Medians, in microseconds.
 """
 
 from __future__ import annotations
@@ -320,12 +322,29 @@ def in_step(model: str, rounds: int = 6, steps: int = 60) -> None:
             for name, value in original.items():
                 setattr(OnTheDispatchStack, name, value)
 
+    recorded = OutsideRecorder.__torch_dispatch__
+
+    def passes(recorder: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if recorder._region == "loss":  # the mode on the stack, nothing recorded: torch's trampoline alone
+            return func(*args, **(kwargs or {}))
+        return recorded(recorder, func, types, args, kwargs)
+
+    @contextlib.contextmanager
+    def passing(model_: Any) -> Any:
+        setattr(OutsideRecorder, "__torch_dispatch__", passes)  # noqa: B010
+        try:
+            with nan_magic.watch(model_):
+                yield
+        finally:
+            setattr(OutsideRecorder, "__torch_dispatch__", recorded)  # noqa: B010
+
     columns: dict[str, Callable[[Any], Any]] = {
         "unwatched": lambda m: contextlib.nullcontext(),
         "default watch": lambda m: nan_magic.watch(m),
         "loss region not pushed": lambda m: patched(m, {"_push": skip_loss, "step_back": skip_loss}),
         "function tape as loss region": lambda m: patched(m, {"_push": tape_loss, "step_back": tape_loss,
                                                                "stop": tape_stop, "step_aside": tape_aside}),
+        "loss region passes its ops": passing,
         "boundary floor": boundary_floor,
     }
     pin_malloc()  # (as launch_bound.py: the heap neither trimmed nor mmapped between steps)
