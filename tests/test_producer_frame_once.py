@@ -88,6 +88,14 @@ class Net(nn.Module):
         return self.fc2(torch.log(h.abs()))
 
 
+class TwoLines(Net):
+    """The log's line, then the child's call on the next: checked there (line +1), born here."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.log(self.fc1(x).abs())  # here
+        return self.fc2(h)
+
+
 class Twice(nn.Module):
     """Two modules of one class, one inside the other: the outer's live frame is another call (not merged)."""
 
@@ -110,6 +118,21 @@ def test_the_producers_forward_stands_once_in_a_script() -> None:
     entries = user_entries(caught.value.__traceback__)
     assert [name for name, _line in entries].count("forward") == 1, entries
     assert [frame.function for frame in caught.value.report.frames].count("forward") == 1
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "full"}, {"ops": True}], ids=["default", "full", "ops"])
+def test_a_forward_checked_a_line_after_the_producer_stands_once(options: dict[str, Any]) -> None:
+    model = TwoLines()
+    with torch.no_grad():
+        model.fc1.bias.zero_()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **options):
+        model(torch.zeros(8, 4)).sum().backward()
+    report = caught.value.report
+    assert report.source.line.endswith("# here"), report.source
+    entries = user_entries(caught.value.__traceback__)
+    assert [name for name, _line in entries].count("forward") == 1, entries
+    assert entries[-1] == ("forward", report.source.lineno), entries
+    assert [frame.function for frame in report.frames].count("forward") == 1, report.frames
 
 
 def test_a_module_inside_one_of_its_class_keeps_both_frames() -> None:
