@@ -222,8 +222,9 @@ def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_p
         {"kind": "debug-in-replay", "facts": (("step", report.step),)},  # (round 19: %debug's frame is the replay's)
     )
     scene = nan_magic.load_scene(report.scene)
-    # The scene was saved before the notes of its saving were added: the ones it holds read the same.
-    assert scene.report.notes == report.notes[:2]
+    # The scene was saved before the notes of its saving were added: the ones it holds read the same, but where
+    # %debug opened (in the session that stopped: a reopened scene has no traceback; hunt-c-s41).
+    assert scene.report.notes == report.notes[:1]
     assert scene.report.notes[0].startswith(f"named by replaying step {report.step}'s model call")
     assert report.notes[-1].startswith(f"scene saved: {report.scene} (")
 

@@ -15,6 +15,7 @@ import linecache
 import os
 import sys
 from collections.abc import Iterator
+from inspect import CO_NEWLOCALS
 from types import CodeType, FrameType, TracebackType
 from typing import Any, cast
 
@@ -292,6 +293,10 @@ def end_at_producer(
         if position is None or (last.tb_lasti, last.tb_lineno) == position:
             return last
         return moved(producer, position) or last
+    at = position or (producer.f_lasti, producer.f_lineno)
+    if (last.tb_lineno == at[1] or last.tb_frame.f_code.co_flags & CO_NEWLOCALS) and _one_call(
+            last.tb_frame, producer) and (entry := moved(producer, at)) is not None:
+        return entry
     outer = _outer_call(calls, last.tb_frame)
     if outer is not None:
         for frame, at_lasti, at_line in calls[outer:]:
@@ -352,6 +357,22 @@ def cut_where_passed_through(tb: TracebackType | None, interrupted: bool = False
         return False
     previous.tb_next = None
     return True
+
+
+def _one_call(live: FrameType, replayed: FrameType) -> bool:
+    """Whether the traceback's last user frame and a replay's producer frame (or its stand-in: line_state.py) are one
+    call run twice: a check raised while that call still ran (``mode="full"``: at a child's input, ``self.out(h)``),
+    and the replay of the call named the frame. Appended after it, the function stood twice in the short error, the
+    report's frames, ``%tb`` and ``%debug``'s ``where``. The same function, and where a method's, of the same module.
+    (A cell's or script's top level at a later line keeps both: the line that called the model, then the producer's.)"""
+    code, other = live.f_code, replayed.f_code
+    if (code.co_filename, code.co_firstlineno, code.co_qualname) != (
+            other.co_filename, other.co_firstlineno, other.co_qualname):
+        return False
+    if not code.co_argcount:
+        return True
+    mine, theirs = (frame.f_locals.get(code.co_varnames[0]) for frame in (live, replayed))
+    return mine is theirs or (not isinstance(mine, torch.nn.Module) and not isinstance(theirs, torch.nn.Module))
 
 
 def _outer_call(calls: Calls, frame: FrameType) -> int | None:

@@ -16,15 +16,17 @@ of Python's warnings.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from nan_magic.errors.exceptions import NanMagicWarning
+from nan_magic.errors.frames import user_line, user_stacklevel
 from nan_magic.locations import cell_location
 
-__all__ = ["NOWHERE", "cell_named", "heard_in_the_step", "watch_warning"]
+__all__ = ["NOWHERE", "cell_named", "heard_in_the_step", "warn_at_user", "watch_warning"]
 
 #: The filename of a warning of ours that no user's line is the place of (said as a ``%nanwatch`` cell ends,
 #: from IPython's cell events): printed as ``NanMagicWarning: ...``, with no place.
@@ -40,6 +42,16 @@ def watch_warning(message: str, category: type[Warning] = RuntimeWarning) -> War
     warning = category(message)
     setattr(warning, _MARK, True)
     return warning
+
+
+def warn_at_user(message: Warning | str, category: type[Warning] = NanMagicWarning) -> None:
+    """``warnings.warn`` at the user's innermost line (``user_stacklevel``); where no frame of the user's runs (a
+    ``%nanwatch`` cell's end, from IPython's cell events: the watch's summary of its repeated events), without a
+    place, as :data:`NOWHERE` prints: the first frame up from there was the kernel's ``<frozen runpy>:198:``."""
+    if user_line(sys._getframe(1)) is None:
+        warnings.warn_explicit(message, category, NOWHERE, 0)
+    else:
+        warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 def _ours(message: Any) -> bool:

@@ -18,7 +18,6 @@ check and close steps, both add early warnings.
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -29,7 +28,8 @@ from torch import nn
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NanMagicWarning
-from nan_magic.errors.frames import place_at_user, user_stacklevel
+from nan_magic.errors.frames import place_at_user
+from nan_magic.errors.warning_lines import warn_at_user
 from nan_magic.hot.checks.early import EarlyWarnings
 from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
@@ -266,7 +266,7 @@ class StepCycle(CycleExit):
                 # At the user's line (``opt.step()``), as the events' warnings are: a fixed level named a line of
                 # ours (hot/checks/optim.py), its source printed under it, and a filter by module missed it.
                 try:
-                    warnings.warn(warning.message, NanMagicWarning, stacklevel=user_stacklevel())
+                    warn_at_user(warning.message)
                 except NanMagicWarning as raised:  # (-W error: raised at that line too, not in our hook's frames)
                     place_at_user(raised)
                     raise

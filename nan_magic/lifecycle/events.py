@@ -32,9 +32,8 @@ from nan_magic.errors.frames import (
     running_frame_at,
     running_frame_of,
     user_frames_of,
-    user_stacklevel,
 )
-from nan_magic.errors.warning_lines import heard_in_the_step, watch_warning
+from nan_magic.errors.warning_lines import heard_in_the_step, warn_at_user, watch_warning
 from nan_magic.explain.handled import handled_again, handled_input
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -228,7 +227,7 @@ class Events:
             return
         facts = (("events", len(steps)), ("first_step", min(steps)), ("last_step", max(steps)))
         message = EarlyWarning(step=max(steps), kind="repeated-events", facts=facts).message
-        warnings.warn(NanMagicWarning(message), stacklevel=user_stacklevel())
+        warn_at_user(NanMagicWarning(message))
 
     def absorb(self, inner: Events) -> None:
         """The events a nested watch recorded while it had taken over from this one are this watch's too.
@@ -416,7 +415,7 @@ def _warned(message: str) -> bool:
     warning = watch_warning(message)
     try:
         # Named at the user's line (the cell's), not at the hook several frames below it.
-        warnings.warn(warning, stacklevel=user_stacklevel())
+        warn_at_user(warning)
     except Warning as raised:
         if raised is not warning:
             raise

@@ -126,7 +126,10 @@ class Scene:
         if data.get("version", 0) < 5:
             # A scene of version 4 or older kept no layer's place in its model: read from its module's name.
             report = _with_paths(report)
-        self.report: Report = dataclasses.replace(report, scene=path, scene_bytes=os.path.getsize(path))
+        # "%debug opens a replay of step N's model call" was said of the session that saved it; no traceback here.
+        kept = tuple(note for note in report.note_facts if note.kind != "debug-in-replay")
+        self.report: Report = dataclasses.replace(
+            report, scene=path, scene_bytes=os.path.getsize(path), note_facts=kept)
         self.step: int = data["step"]
         self.phase = Phase(data["phase"])
         self.module: str | None = data["module"]
