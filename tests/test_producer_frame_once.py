@@ -147,3 +147,53 @@ def test_a_module_inside_one_of_its_class_keeps_both_frames() -> None:
     entries = user_entries(caught.value.__traceback__)
     # the outer's call (at the line that called inner) and the inner's producing line: two calls, both shown
     assert [name for name, _line in entries].count("forward") == 2, entries
+
+
+class Recursive(nn.Module):
+    """A forward that calls itself on the same module: the live call (depth 1) and the producing one (depth 0) are
+    two calls of one function with the same ``self``: both stay (review of hunt-c-s41)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        if depth == 0:
+            return torch.log(x.abs())  # here
+        h = self.forward(x, depth - 1)
+        return self.lin(h)
+
+
+def _recurse(x: torch.Tensor, layer: nn.Module, n: int) -> torch.Tensor:
+    if n == 0:
+        return torch.log(x.abs())  # here
+    return layer(_recurse(x, layer, n - 1))
+
+
+class CallsARecursion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _recurse(x, self.lin, 1)
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "full"}, {"ops": True}], ids=["default", "full", "ops"])
+@pytest.mark.parametrize(("make", "function", "argument"), [(Recursive, "forward", "depth"),
+                                                            (CallsARecursion, "_recurse", "n")],
+                         ids=["method", "function"])
+def test_a_recursion_keeps_the_call_that_made_the_producing_one(
+        make: type[nn.Module], function: str, argument: str, options: dict[str, Any]) -> None:
+    model = make()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, **options):
+        model(torch.zeros(2, 4))
+    report = caught.value.report
+    assert (report.op, report.source.line.endswith("# here")) == ("aten.log.default", True), report.message
+    depths, tb = [], caught.value.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function and not is_library_file(tb.tb_frame.f_code.co_filename):
+            depths.append(tb.tb_frame.f_locals.get(argument))
+        tb = tb.tb_next
+    assert depths == [1, 0], depths
+    assert [frame.function for frame in report.frames].count(function) == 2, report.frames

@@ -363,16 +363,29 @@ def _one_call(live: FrameType, replayed: FrameType) -> bool:
     """Whether the traceback's last user frame and a replay's producer frame (or its stand-in: line_state.py) are one
     call run twice: a check raised while that call still ran (``mode="full"``: at a child's input, ``self.out(h)``),
     and the replay of the call named the frame. Appended after it, the function stood twice in the short error, the
-    report's frames, ``%tb`` and ``%debug``'s ``where``. The same function, and where a method's, of the same module.
+    report's frames, ``%tb`` and ``%debug``'s ``where``. The same function, called with the same arguments: the same
+    modules, numbers, strings and tensors of the same shape and type. Two calls of one function differ there (a
+    recursion's depth, a helper called for each layer): both stay, the producer's after the live one.
     (A cell's or script's top level at a later line keeps both: the line that called the model, then the producer's.)"""
     code, other = live.f_code, replayed.f_code
     if (code.co_filename, code.co_firstlineno, code.co_qualname) != (
             other.co_filename, other.co_firstlineno, other.co_qualname):
         return False
-    if not code.co_argcount:
-        return True
-    mine, theirs = (frame.f_locals.get(code.co_varnames[0]) for frame in (live, replayed))
-    return mine is theirs or (not isinstance(mine, torch.nn.Module) and not isinstance(theirs, torch.nn.Module))
+    mine, theirs = live.f_locals, replayed.f_locals
+    return all(_same_argument(mine.get(name), theirs.get(name))
+               for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
+
+
+def _same_argument(mine: Any, theirs: Any) -> bool:
+    """Whether two calls' values of one argument are alike (:func:`_one_call`): a replay runs on copies of the
+    tensors, on the same modules; other values (a list, a config) are not told apart."""
+    if isinstance(mine, torch.nn.Module) or isinstance(theirs, torch.nn.Module):
+        return mine is theirs
+    if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+        return mine.shape == theirs.shape and mine.dtype == theirs.dtype
+    if isinstance(mine, (int, float, str, bool, type(None))) or isinstance(theirs, (int, float, str, bool)):
+        return type(mine) is type(theirs) and mine == theirs
+    return True
 
 
 def _outer_call(calls: Calls, frame: FrameType) -> int | None:

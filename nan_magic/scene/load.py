@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Scene", "load_scene"]
 
+#: The notes that say where ``%debug`` or ``pdb.pm()`` opened in the session that saved the scene.
+_DEBUGGER_NOTES = frozenset({"debug-in-replay", "debug-not-replayed", "debug-frame-returned", "debug-later-step"})
+
 
 def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Scene:
     """Read a scene saved by a watch with ``dump=``.
@@ -126,8 +129,8 @@ class Scene:
         if data.get("version", 0) < 5:
             # A scene of version 4 or older kept no layer's place in its model: read from its module's name.
             report = _with_paths(report)
-        # "%debug opens a replay of step N's model call" was said of the session that saved it; no traceback here.
-        kept = tuple(note for note in report.note_facts if note.kind != "debug-in-replay")
+        # Where %debug (pdb.pm()) opens was said of the session that saved it: a reopened scene has no traceback.
+        kept = tuple(note for note in report.note_facts if note.kind not in _DEBUGGER_NOTES)
         self.report: Report = dataclasses.replace(
             report, scene=path, scene_bytes=os.path.getsize(path), note_facts=kept)
         self.step: int = data["step"]
