@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 
+from nan_magic.errors.line_state import one_call
 from nan_magic.locations import function_name, name_location
 from nan_magic.records import SourcePointer
 
@@ -294,7 +295,7 @@ def end_at_producer(
             return last
         return moved(producer, position) or last
     at = position or (producer.f_lasti, producer.f_lineno)
-    if (last.tb_lineno == at[1] or last.tb_frame.f_code.co_flags & CO_NEWLOCALS) and _one_call(
+    if (last.tb_lineno == at[1] or last.tb_frame.f_code.co_flags & CO_NEWLOCALS) and one_call(
             last.tb_frame, producer) and (entry := moved(producer, at)) is not None:
         return entry
     outer = _outer_call(calls, last.tb_frame)
@@ -356,35 +357,6 @@ def cut_where_passed_through(tb: TracebackType | None, interrupted: bool = False
     if interrupted and not shown:
         return False
     previous.tb_next = None
-    return True
-
-
-def _one_call(live: FrameType, replayed: FrameType) -> bool:
-    """Whether the traceback's last user frame and a replay's producer frame (or its stand-in: line_state.py) are one
-    call run twice: a check raised while that call still ran (``mode="full"``: at a child's input, ``self.out(h)``),
-    and the replay of the call named the frame. Appended after it, the function stood twice in the short error, the
-    report's frames, ``%tb`` and ``%debug``'s ``where``. The same function, called with the same arguments: the same
-    modules, numbers, strings and tensors of the same shape and type. Two calls of one function differ there (a
-    recursion's depth, a helper called for each layer): both stay, the producer's after the live one.
-    (A cell's or script's top level at a later line keeps both: the line that called the model, then the producer's.)"""
-    code, other = live.f_code, replayed.f_code
-    if (code.co_filename, code.co_firstlineno, code.co_qualname) != (
-            other.co_filename, other.co_firstlineno, other.co_qualname):
-        return False
-    mine, theirs = live.f_locals, replayed.f_locals
-    return all(_same_argument(mine.get(name), theirs.get(name))
-               for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
-
-
-def _same_argument(mine: Any, theirs: Any) -> bool:
-    """Whether two calls' values of one argument are alike (:func:`_one_call`): a replay runs on copies of the
-    tensors, on the same modules; other values (a list, a config) are not told apart."""
-    if isinstance(mine, torch.nn.Module) or isinstance(theirs, torch.nn.Module):
-        return mine is theirs
-    if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
-        return mine.shape == theirs.shape and mine.dtype == theirs.dtype
-    if isinstance(mine, (int, float, str, bool, type(None))) or isinstance(theirs, (int, float, str, bool)):
-        return type(mine) is type(theirs) and mine == theirs
     return True
 
 

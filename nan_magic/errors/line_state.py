@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LineEnd", "after_line", "state_left_by"]
+__all__ = ["LineEnd", "after_line", "one_call", "state_left_by"]
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
@@ -132,3 +132,31 @@ def _stand_in(frame: FrameType, lineno: int, values: dict[str, Any]) -> FrameTyp
         if traceback is not None and traceback.tb_next is not None:
             return traceback.tb_next.tb_frame
     return None
+
+
+def one_call(live: FrameType, replayed: FrameType) -> bool:
+    """Whether the traceback's last user frame and a replay's producer frame (or its stand-in, above) are one
+    call run twice (``mode="full"`` checked a child's input while it ran; its replay named the frame): appended, the
+    function stood twice in the short error, ``%tb`` and ``where``. The same function with alike arguments; a
+    recursion's depth or a helper called per layer differs: both stay. (A cell's top level keeps both.)"""
+    code, other = live.f_code, replayed.f_code
+    if (code.co_filename, code.co_firstlineno, code.co_qualname) != (
+            other.co_filename, other.co_firstlineno, other.co_qualname):
+        return False
+    mine, theirs = live.f_locals, replayed.f_locals
+    return all(_alike(mine.get(name), theirs.get(name))
+               for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
+
+
+def _alike(mine: Any, theirs: Any) -> bool:
+    """One argument of two calls (a replay's tensors are copies, its modules the same; a list is not compared)."""
+    if isinstance(mine, torch.nn.Module) or isinstance(theirs, torch.nn.Module):
+        return mine is theirs
+    if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+        return (mine.shape, mine.dtype) == (theirs.shape, theirs.dtype)
+    if isinstance(mine, _PLAIN) or isinstance(theirs, _PLAIN):
+        return type(mine) is type(theirs) and mine == theirs
+    return True
+
+
+_PLAIN = (int, float, str, bool, type(None))
