@@ -180,15 +180,33 @@ class StepReports:
         parameter is named as the user's parameter it holds the non-finite
         element of (:func:`parameter_place`).
         """
-        roots = (root for _label, root in self.watch.targets.roots)
-        place = parameter_place(finding.tensor.name or "", roots, finding.bad)
+        roots = list(self.watch.targets.roots)
+        holder = _holder(roots, finding) if len(roots) > 1 else None
+        if holder is not None:  # two models share names (an EMA teacher, a GAN's ``main.0``): the one holding it
+            roots.sort(key=lambda item: item[1] is not holder)
+        place = parameter_place(finding.tensor.name or "", (root for _label, root in roots), finding.bad)
         if place is None:
             return  # a parameter outside every watched model: no module owns it
         if place.name != finding.tensor.name:
             finding.tensor = dataclasses.replace(finding.tensor, name=place.name)
-        info = self.watch.targets.info_by_name(place.module)
+        info = self.watch.targets.info_by_name(place.module, roots[0][0] if holder is not None else None)
         if info is not None:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
+
+
+def _holder(roots: list[tuple[str | None, torch.nn.Module]], finding: Finding) -> torch.nn.Module | None:
+    """The model whose parameter (or its ``.grad``, for a gradient) ``finding.bad`` is, by its memory; None where
+    none is (a replay's scratch gradient, a state tensor). At an event of a watch of several models only."""
+    bad, gradient = finding.bad, finding.tensor.role is TensorRole.PARAMETER_GRADIENT
+    if bad is None or bad.layout is not torch.strided:
+        return None
+    for _label, root in roots:
+        for parameter in root.parameters():
+            held = parameter.grad if gradient else parameter
+            if (held is not None and held.layout is torch.strided and held.data_ptr() == bad.data_ptr()
+                    and held.shape == bad.shape):
+                return root
+    return None
 
 
 def _running(code: CodeType) -> FrameType | None:
