@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
 from contract.loops import batches as _batches
-from nan_magic.records import TensorRef
+from nan_magic.records import TensorRef, TensorRole
 
 
 def _mlp() -> nn.Sequential:
@@ -440,6 +440,38 @@ def _twins_forward(dead: bool) -> Scenario:
     return Scenario((online, target), run)
 
 
+def _twins_resumed(where: str) -> Scenario:
+    """A GAN resumed from a checkpoint: generator and discriminator of one class (``Sequential``), each with its own
+    Adam; the second's saved Adam state of ``0.weight`` (``exp_avg_sq``) already holds a NaN (where='state'; the
+    diverged step was saved). where='none' is the clean checkpoint."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)) for _ in range(2)]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in models]
+    xs, ys = _batches(8, 4), _batches(8, 1)
+    for model, opt in zip(models, opts):
+        F.mse_loss(model(xs[0]), ys[0]).backward()
+        opt.step()
+        opt.zero_grad()
+    state = opts[1].state_dict()
+    if where == "state":
+        state["state"][0]["exp_avg_sq"][1, 2] = float("nan")
+    opts[1].load_state_dict(state)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            loss = sum(F.mse_loss(model(xs[step + 1]), ys[step + 1]) for model in models)
+            for opt in opts:
+                opt.zero_grad()
+            loss.backward()
+            for opt in opts:
+                opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((*models, *opts), run)
+
+
 CASES = [
     Case("hunt_s41b_warmup_cosine_nan_lr_sgd", lambda: _warmup_cosine(np.int64(2), adamw=False),
          Expect("optimizer", "0", "Linear", step=2, op="aten.add_.Tensor", marker="warmup step",
@@ -494,4 +526,8 @@ CASES = [
     Case("hunt_s41b_second_model_of_a_class_forward", lambda: _twins_forward(True),
          Expect("forward", "1", "LogScale", step=2, op="aten.log.default", marker="log scale", model="Sequential#2")),
     Case("hunt_s41b_second_model_of_a_class_forward_healthy", lambda: _twins_forward(False), None),
+    Case("hunt_s41b_second_model_of_a_class_resumed_adam_state_holding_a_nan", lambda: _twins_resumed("state"),
+         Expect("data", "0", "Linear", step=0, op=None, kinds=frozenset({"nan"}), cause="parameter-already-nonfinite",
+                tensor=TensorRef(TensorRole.OPTIMIZER_STATE, "0.weight", "exp_avg_sq"), model="Sequential#2")),
+    Case("hunt_s41b_second_model_of_a_class_resumed_healthy", lambda: _twins_resumed("none"), None),
 ]

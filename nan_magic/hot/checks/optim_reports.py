@@ -109,7 +109,7 @@ class StepReports:
             finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
             if held is not None and result.bounded:
                 _blame_state(finding, label, held)
-            self.attribute(finding)
+            self.attribute(finding, result.owner(index)[0])
             lr, raw_lr = result.lr_of(tensor)
             # A non-finite rate the loop computed (``group["lr"] = size.item()``, size 0 / 0): its op, not the step's.
             # Else, no op made it (computed in Python, or a tensor rate made earlier): the loop's line that set it.
@@ -170,7 +170,7 @@ class StepReports:
             self.headroom.observe(result, values)
         return False
 
-    def attribute(self, finding: Finding) -> None:
+    def attribute(self, finding: Finding, parameter: torch.Tensor | None = None) -> None:
         """Name the module that owns the parameter in ``finding.tensor``.
 
         By the watch's names (targets.py), not ``get_submodule``: those are the
@@ -181,7 +181,7 @@ class StepReports:
         element of (:func:`parameter_place`).
         """
         roots = list(self.watch.targets.roots)
-        holder = _holder(roots, finding) if len(roots) > 1 else None
+        holder = _holder(roots, finding, parameter) if len(roots) > 1 else None
         if holder is not None:  # two models share names (an EMA teacher, a GAN's ``main.0``): the one holding it
             roots.sort(key=lambda item: item[1] is not holder)
         place = parameter_place(finding.tensor.name or "", (root for _label, root in roots), finding.bad)
@@ -194,15 +194,19 @@ class StepReports:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
 
 
-def _holder(roots: list[tuple[str | None, torch.nn.Module]], finding: Finding) -> torch.nn.Module | None:
-    """The model whose parameter (or its ``.grad``, for a gradient) ``finding.bad`` is, by its memory; None where
-    none is (a replay's scratch gradient, a state tensor). At an event of a watch of several models only."""
+def _holder(roots: list[tuple[str | None, torch.nn.Module]], finding: Finding, parameter: torch.Tensor | None
+            ) -> torch.nn.Module | None:
+    """The model that holds ``parameter`` (the optimizer's, for a state tensor), else whose parameter (or its
+    ``.grad``, for a gradient) ``finding.bad`` is, by its memory; None where none is (a replay's scratch
+    gradient). At an event of a watch of several models only."""
+    if parameter is not None:
+        return next((root for _label, root in roots if any(p is parameter for p in root.parameters())), None)
     bad, gradient = finding.bad, finding.tensor.role is TensorRole.PARAMETER_GRADIENT
     if bad is None or bad.layout is not torch.strided:
         return None
     for _label, root in roots:
-        for parameter in root.parameters():
-            held = parameter.grad if gradient else parameter
+        for own in root.parameters():
+            held = own.grad if gradient else own
             if (held is not None and held.layout is torch.strided and held.data_ptr() == bad.data_ptr()
                     and held.shape == bad.shape):
                 return root
