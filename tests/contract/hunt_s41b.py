@@ -472,6 +472,56 @@ def _twins_resumed(where: str) -> Scenario:
     return Scenario((*models, *opts), run)
 
 
+class Gate(nn.Module):
+    """Holds a gate its parent reads (``self.gate.s``); its own forward passes its input on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class GatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate(self.fc(x))
+        return self.out(h * self.gate.s.abs().sqrt())  # producer: parent gate
+
+
+def _twins_parent_code(dead: bool) -> Scenario:
+    """Two models of one class (``GatedNet#1``, ``#2``); the root's own code scales by ``sqrt(|gate.s|)``; at step 1
+    the second model's gate is pruned to exactly 0: only ``gate.s``'s own gradient is ``0 / 0``, in the root's code
+    (module ``""``). Twin: the gate is halved."""
+    torch.manual_seed(0)
+    models = [GatedNet(), GatedNet()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    xs, ys = _batches(5, 4), _batches(5, 1)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    models[1].gate.s.mul_(0.0 if dead else 0.5)
+            loss = sum(F.mse_loss(model(xs[step]), ys[step]) for model in models)
+            for opt in opts:
+                opt.zero_grad()
+            loss.backward()
+            for opt in opts:
+                opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario(tuple(models), run)
+
+
 CASES = [
     Case("hunt_s41b_warmup_cosine_nan_lr_sgd", lambda: _warmup_cosine(np.int64(2), adamw=False),
          Expect("optimizer", "0", "Linear", step=2, op="aten.add_.Tensor", marker="warmup step",
@@ -530,4 +580,8 @@ CASES = [
          Expect("data", "0", "Linear", step=0, op=None, kinds=frozenset({"nan"}), cause="parameter-already-nonfinite",
                 tensor=TensorRef(TensorRole.OPTIMIZER_STATE, "0.weight", "exp_avg_sq"), model="Sequential#2")),
     Case("hunt_s41b_second_model_of_a_class_resumed_healthy", lambda: _twins_resumed("none"), None),
+    Case("hunt_s41b_second_model_of_a_class_parent_code_gradient", lambda: _twins_parent_code(True),
+         Expect("backward", "", "GatedNet", step=1, op="aten.div.Tensor", marker="parent gate",
+                tensor=TensorRef.gradient("gate.s"), model="GatedNet#2")),
+    Case("hunt_s41b_second_model_of_a_class_parent_code_healthy", lambda: _twins_parent_code(False), None),
 ]
