@@ -1,13 +1,17 @@
-"""hunt_s41b, the machinery around a training step: schedulers, validation passes, EMA, model surgery, grad hooks.
+"""hunt_s41b, the machinery around a training step: schedulers, validation, EMA, model surgery, hooks, 2 models.
 
-A warmup ``LambdaLR`` whose warmup length came from a config as a numpy number: at step 0 ``0 / 0`` is a NaN
-learning rate, and the first update (SGD, or AdamW foreach) makes every parameter NaN (optimizer phase). A
-validation pass between training steps (``model.eval()`` under ``torch.no_grad()`` or ``torch.inference_mode()``)
-whose batch holds an all-zero sample: the model's normalising layer divides 0 by 0 (forward, at the step of the
-optimizer steps done so far). An EMA of the weights by ``torch._foreach_lerp_`` with a bias-corrected weight
-``(1 - decay) / (1 - decay ** step)`` (a numpy decay): inf at step 0. A model cast with ``.half()`` mid-run whose
-exponential feature overflows float16. A ``register_post_accumulate_grad_hook`` that normalises a gradient in place
-(``0 / 0`` for a gradient that is exactly 0). Each with a healthy twin: the same code with the guard or healthy data.
+A warmup + cosine ``LambdaLR`` whose lengths are numpy integers from a config, the run shortened to the warmup: at
+step 2 ``cos(pi * 0 / 0)`` is a NaN learning rate and the update (SGD, or AdamW foreach) makes every parameter NaN
+(optimizer phase). A validation pass between training steps (``model.eval()`` under ``torch.no_grad()`` or
+``torch.inference_mode()``) whose batch holds an all-zero sample: ``0 / 0`` in the model's normalising layer
+(forward, at the step of the optimizer steps done so far). An EMA teacher updated by ``torch._foreach_lerp_`` with a
+bias-corrected weight ``(1 - decay) / (1 - decay ** 0)`` = inf (watched: named in its own model; unwatched: a strict
+xfail of the tiered modes). A model cast with ``.half()`` mid-run whose exponential feature overflows float16. A
+``register_post_accumulate_grad_hook`` and a module full backward hook that normalise a gradient that is exactly 0.
+A ``torch.library.custom_op`` whose registered backward divides by 0, inside ``checkpoint`` (reentrant or not). Two
+models of one class (``Sequential#1``/``#2``: a teacher, a GAN's pair, a resumed GAN): the second's parameter
+gradient, Adam step, resumed Adam state, forward and its root's own code reading a child's parameter, each named in
+the second model (``Expect.model``). Each with a healthy twin: the same code with the guard or healthy data.
 """
 
 from __future__ import annotations
