@@ -1,17 +1,13 @@
 """hunt_s41b, the machinery around a training step: schedulers, validation, EMA, model surgery, hooks, 2 models.
 
-A warmup + cosine ``LambdaLR`` whose lengths are numpy integers from a config, the run shortened to the warmup: at
-step 2 ``cos(pi * 0 / 0)`` is a NaN learning rate and the update (SGD, or AdamW foreach) makes every parameter NaN
-(optimizer phase). A validation pass between training steps (``model.eval()`` under ``torch.no_grad()`` or
-``torch.inference_mode()``) whose batch holds an all-zero sample: ``0 / 0`` in the model's normalising layer
-(forward, at the step of the optimizer steps done so far). An EMA teacher updated by ``torch._foreach_lerp_`` with a
-bias-corrected weight ``(1 - decay) / (1 - decay ** 0)`` = inf (watched: named in its own model; unwatched: a strict
-xfail of the tiered modes). A model cast with ``.half()`` mid-run whose exponential feature overflows float16. A
-``register_post_accumulate_grad_hook`` and a module full backward hook that normalise a gradient that is exactly 0.
-A ``torch.library.custom_op`` whose registered backward divides by 0, inside ``checkpoint`` (reentrant or not). Two
-models of one class (``Sequential#1``/``#2``: a teacher, a GAN's pair, a resumed GAN): the second's parameter
-gradient, Adam step, resumed Adam state, forward and its root's own code reading a child's parameter, each named in
-the second model (``Expect.model``). Each with a healthy twin: the same code with the guard or healthy data.
+A warmup + cosine ``LambdaLR`` (numpy lengths, the run cut to the warmup): ``cos(pi * 0 / 0)``, a NaN lr at step 2.
+Validation under ``no_grad``/``inference_mode`` between steps: ``0 / 0`` on an all-zero sample. An EMA teacher by
+``_foreach_lerp_`` with a bias-corrected weight ``x / (1 - decay ** 0)`` = inf (watched, or not: a strict xfail).
+``model.half()`` mid-run: ``exp`` overflows float16. A post-accumulate-grad hook and a full backward hook normalising
+a zero gradient. A ``custom_op``'s registered backward dividing by 0 inside ``checkpoint`` (reentrant or not). Two
+models of one class (``Sequential#1``/``#2``): the second's gradient, Adam step, resumed state, forward and root code
+are named in it (``Expect.model``).
+Each with a healthy twin: the same code with the guard or healthy data.
 """
 
 from __future__ import annotations
