@@ -69,6 +69,8 @@ def test_contract(case: Case, mode: str) -> None:
     assert not [s for s in suggestions.get(mode, ()) if s in text], text
     if expect.module_type is not None:
         assert report.module_type == expect.module_type
+    if expect.model is not None:
+        assert report.model == expect.model, report.message
     if expect.tensor is not None:
         assert report.tensor == expect.tensor
     if expect.kinds is not None:

@@ -56,7 +56,7 @@ class OpOrigins:
         outside: OutsideRecorder | None,
         emit: Callable[[Finding], None],
         on_gradient_event: Callable[[Finding], None],
-        info_by_name: Callable[[str], ModuleInfo | None],
+        info_by_name: Callable[..., ModuleInfo | None],  # (name, and the model's label or None)
         infos: Callable[[], Iterable[ModuleInfo]] | None = None,
         info_by_id: Callable[[int], ModuleInfo | None] | None = None,
     ) -> None:
@@ -473,9 +473,9 @@ class OpOrigins:
         finding.module, finding.module_type = inner.name, None  # (its type named again: _name_type_and_model)
 
     def _name_type_and_model(self, finding: Finding) -> None:
-        """The type and model of the module the op tracer named (by its name only, as the op ran inside it)."""
+        """The type and model of the module the op tracer named (by its name, in the model named already if any)."""
         if finding.module is not None and finding.module_type is None:
-            info = self._info_by_name(finding.module)
+            info = self._info_by_name(finding.module, finding.model) or self._info_by_name(finding.module)
             if info is not None:
                 finding.module_type, finding.model = info.module_type, info.model
 

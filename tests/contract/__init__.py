@@ -75,6 +75,8 @@ class Expect:
     benign_events: int | None = None  # benign events recorded before the real one, where it matters
     # ``(mode, words)``: the report's text in that mode says ``words`` (why a mode names less than the others).
     says: tuple[tuple[str, str], ...] = ()
+    # ``report.model``: which of several watched models (its label: ``Sequential#2`` for the second of one class).
+    model: str | None = None
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class StepReports:
             finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
             if held is not None and result.bounded:
                 _blame_state(finding, label, held)
-            self.attribute(finding)
+            self.attribute(finding, result.owner(index)[0])
             lr, raw_lr = result.lr_of(tensor)
             # A non-finite rate the loop computed (``group["lr"] = size.item()``, size 0 / 0): its op, not the step's.
             # Else, no op made it (computed in Python, or a tensor rate made earlier): the loop's line that set it.
@@ -170,7 +170,7 @@ class StepReports:
             self.headroom.observe(result, values)
         return False
 
-    def attribute(self, finding: Finding) -> None:
+    def attribute(self, finding: Finding, parameter: torch.Tensor | None = None) -> None:
         """Name the module that owns the parameter in ``finding.tensor``.
 
         By the watch's names (targets.py), not ``get_submodule``: those are the
@@ -180,15 +180,37 @@ class StepReports:
         parameter is named as the user's parameter it holds the non-finite
         element of (:func:`parameter_place`).
         """
-        roots = (root for _label, root in self.watch.targets.roots)
-        place = parameter_place(finding.tensor.name or "", roots, finding.bad)
+        roots = list(self.watch.targets.roots)
+        holder = _holder(roots, finding, parameter) if len(roots) > 1 else None
+        if holder is not None:  # two models share names (an EMA teacher, a GAN's ``main.0``): the one holding it
+            roots.sort(key=lambda item: item[1] is not holder)
+        place = parameter_place(finding.tensor.name or "", (root for _label, root in roots), finding.bad)
         if place is None:
             return  # a parameter outside every watched model: no module owns it
         if place.name != finding.tensor.name:
             finding.tensor = dataclasses.replace(finding.tensor, name=place.name)
-        info = self.watch.targets.info_by_name(place.module)
+        info = self.watch.targets.info_by_name(place.module, roots[0][0] if holder is not None else None)
         if info is not None:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
+
+
+def _holder(roots: list[tuple[str | None, torch.nn.Module]], finding: Finding, parameter: torch.Tensor | None
+            ) -> torch.nn.Module | None:
+    """The model that holds ``parameter`` (the optimizer's, for a state tensor), else whose parameter (or its
+    ``.grad``, for a gradient) ``finding.bad`` is, by its memory; None where none is (a replay's scratch
+    gradient). At an event of a watch of several models only."""
+    if parameter is not None:
+        return next((root for _label, root in roots if any(p is parameter for p in root.parameters())), None)
+    bad, gradient = finding.bad, finding.tensor.role is TensorRole.PARAMETER_GRADIENT
+    if bad is None or bad.layout is not torch.strided:
+        return None
+    for _label, root in roots:
+        for own in root.parameters():
+            held = own.grad if gradient else own
+            if (held is not None and held.layout is torch.strided and held.data_ptr() == bad.data_ptr()
+                    and held.shape == bad.shape):
+                return root
+    return None
 
 
 def _running(code: CodeType) -> FrameType | None:

@@ -86,10 +86,10 @@ class Targets:
         """Every named module's info, as a tuple: a module freed while a caller iterates leaves it whole."""
         return tuple(self.modules.values())
 
-    def info_by_name(self, name: str) -> ModuleInfo | None:
-        """The info of a watched module by qualified name (first root that has it)."""
+    def info_by_name(self, name: str, model: str | None = None) -> ModuleInfo | None:
+        """The info of a watched module by qualified name (first root that has it; ``model``: in that model)."""
         for info in self.infos():
-            if info.name == name:
+            if info.name == name and (model is None or info.model == model):
                 return info
         return None
 
