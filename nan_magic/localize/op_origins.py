@@ -76,8 +76,7 @@ class OpOrigins:
         self.written_gradient: Callable[[torch.Tensor], OpFinding | None] | None = None
         #: Names the op of the loop's update code that made a step's non-finite learning rate (LoopWrites.name_lr).
         self.lr_source: Callable[[Finding, float, object], bool] | None = None
-        #: Ops mode: %debug at a backward op's forward line, by a replay of the step's kept call that made its node
-        #: (replay/line_replay.ForwardLines); None elsewhere.
+        #: Ops mode: %debug at a backward op's forward line, by a replay of the kept call that made its node (None).
         self.forward_line: Callable[[OpTracer, OpFinding, Finding], None] | None = None
 
     def make_tracer(
@@ -260,7 +259,10 @@ class OpOrigins:
             in_forward_called(finding, self._info_by_id)  # unless that line is a model's own (model.forward(x))
             if finding.phase == Phase.DATA and origin.phase == Phase.FORWARD and origin.module is None and (
                     origin.from_model or (outside is not None and self.tracer is None and outside.claimed_from_model)):
-                # Made from a model output (a VAE's ``exp(logvar / 2)`` between encoder and decoder): not data.
+                # Made from a model output (a VAE's ``exp(logvar / 2)`` between encoder and decoder): not data; the
+                # batch keeps the name of the module it entered ("input[0] of decoder").
+                if (ref := finding.tensor).role is TensorRole.INPUT and ref.name is None:
+                    finding.tensor = TensorRef(ref.role, finding.module or finding.module_type, ref.path)
                 finding.phase, finding.module, finding.module_type = Phase.FORWARD, None, None
         elif origin.phase == Phase.BACKWARD and self.tracer is None:
             self._frame_of_loop_op(finding, origin)  # the loss code's node: where its forward line ran (a helper's)
@@ -344,12 +346,10 @@ class OpOrigins:
     def explain_failure(self, error: BaseException) -> Finding | None:
         """The non-finite input of the op that raised ``error``, with the op that made it; None without one.
 
-        ``torch.multinomial`` on NaN probabilities raises before any boundary
-        sees them. The op that raised ran under our dispatch mode (the op
-        tracer, or the recorder of the code outside the models), so its
-        arguments are in the traceback (:func:`run_op`'s frame); a non-finite
-        one is claimed as a boundary would claim it: the op that made it is
-        the producer, and the failing op is said in a note.
+        ``torch.multinomial`` on NaN probabilities raises before any boundary sees them. The op that raised ran under
+        our dispatch mode (the op tracer, or the recorder of the code outside the models), so its arguments are in the
+        traceback (:func:`run_op`'s frame); a non-finite one is claimed as a boundary would claim it: the op that made
+        it is the producer, and the failing op is said in a note.
         """
         recorder = self.tracer or self.outside
         if recorder is None:
