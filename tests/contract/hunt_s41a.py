@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from contract import Case, Expect, Scenario
+from contract import MODES, Case, Expect, Scenario
 
 # ---------------------------------------------------------------- graph nets
 
@@ -509,6 +509,8 @@ def _vae(clamp: bool) -> Scenario:
 
 CASES += [
     Case("hunt_s41a_vae_reparameterised_in_the_loop_exp_overflows", lambda: _vae(False),
-         Expect("forward", None, step=2, op="aten.exp.default", marker="reparameterise", cause="exp-overflow")),
+         Expect("forward", None, step=2, op="aten.exp.default", marker="reparameterise", cause="exp-overflow",
+                # (whose input it was: the decoder's, a Sequential watched as a root)
+                says=tuple((mode, "first non-finite input[0] of Sequential in forward step 2") for mode in MODES))),
     Case("hunt_s41a_vae_reparameterised_in_the_loop_logvar_clamped_healthy", lambda: _vae(True), None),
 ]
