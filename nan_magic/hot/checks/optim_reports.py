@@ -189,7 +189,12 @@ class StepReports:
             return  # a parameter outside every watched model: no module owns it
         if place.name != finding.tensor.name:
             finding.tensor = dataclasses.replace(finding.tensor, name=place.name)
-        info = self.watch.targets.info_by_name(place.module, roots[0][0] if holder is not None else None)
+        # In the holding model by its module objects (two models may share a label too), else by name (a gradient
+        # tensor that two models' parameters share: the name is found in the other one).
+        known = self.watch.targets.modules
+        info = next((found for module in holder.modules() if (found := known.get(id(module))) is not None
+                     and found.name == place.module), None) if holder is not None else None
+        info = info or self.watch.targets.info_by_name(place.module)
         if info is not None:
             finding.module, finding.module_type, finding.model = place.module, info.module_type, info.model
 
@@ -202,13 +207,14 @@ def _holder(roots: list[tuple[str | None, torch.nn.Module]], finding: Finding, p
     if parameter is not None:
         return next((root for _label, root in roots if any(p is parameter for p in root.parameters())), None)
     bad, gradient = finding.bad, finding.tensor.role is TensorRole.PARAMETER_GRADIENT
-    if bad is None or bad.layout is not torch.strided:
+    if bad is None:
         return None
+    strided = bad.layout is torch.strided
     for _label, root in roots:
         for own in root.parameters():
             held = own.grad if gradient else own
-            if (held is not None and held.layout is torch.strided and held.data_ptr() == bad.data_ptr()
-                    and held.shape == bad.shape):
+            if held is bad or (strided and held is not None and held.layout is torch.strided
+                               and held.data_ptr() == bad.data_ptr() and held.shape == bad.shape):
                 return root
     return None
 
