@@ -15,6 +15,7 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -90,9 +91,7 @@ class OpOrigins:
         deferred check's, which keeps the counts of what an origin reached (a boundary freed by the check)."""
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True,
                                counting=counting)
-        self.tracer.enclosing = self._enclosing
-        self.tracer.within = self._within
-        self.tracer.owned = self._owned
+        self.tracer.enclosing, self.tracer.within, self.tracer.owned = self._enclosing, self._within, self._owned
         self.tracer.named = self.tracer.node_sources.named = self.named
         return self.tracer
 
@@ -258,9 +257,10 @@ class OpOrigins:
             self._frame_of_loop_op(finding, origin)
             in_forward_called(finding, self._info_by_id)  # unless that line is a model's own (model.forward(x))
             if finding.phase == Phase.DATA and origin.phase == Phase.FORWARD and origin.module is None and (
-                    origin.from_model or (outside is not None and self.tracer is None and outside.claimed_from_model)):
-                # Made from a model output (a VAE's ``exp(logvar / 2)`` between encoder and decoder): not data; the
-                # batch keeps the name of the module it entered ("input[0] of decoder").
+                    origin.from_model or (outside is not None and self.tracer is None and outside.claimed_from_model)
+            ) and all(map(math.isfinite, (value for _name, value in origin.scalars))):
+                # Made from a model output (a VAE's ``exp(logvar / 2)`` between two models), not by a number the loop
+                # passed in (``h * nan``): not data; the batch keeps the name of the module it entered.
                 if (ref := finding.tensor).role is TensorRole.INPUT and ref.name is None:
                     finding.tensor = TensorRef(ref.role, finding.module or finding.module_type, ref.path)
                 finding.phase, finding.module, finding.module_type = Phase.FORWARD, None, None
