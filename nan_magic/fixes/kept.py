@@ -32,7 +32,6 @@ from typing import Any
 from torch.utils._python_dispatch import _disable_current_modes
 
 from nan_magic.fixes.loss import LossSource
-from nan_magic.fixes.no_remedy import batch_event
 from nan_magic.fixes.remedies.batch import holds_nonfinite
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.localize.replay.tiered.root_calls import RootCall
@@ -75,7 +74,7 @@ class KeptStep:
         if not calls:
             return Note("fixes-no-call")
         roots: list[RootCall] = [calls[-1]]
-        if batch_event(report):
+        if report.phase == Phase.DATA:
             # None given the values: a value only the loss code read (runner.py says which, or why no trial).
             roots = [call for call in reversed(calls) if holds_nonfinite(call)][:1] or (
                 [calls[-1]] if report.module is None else [])

@@ -15,7 +15,7 @@ from __future__ import annotations
 from nan_magic.records import Note, Phase, Report, TensorRole
 from nan_magic.tensor_refs import op_function
 
-__all__ = ["REMEDIED", "batch_event", "in_update_code", "none_fit", "update_code_note"]
+__all__ = ["REMEDIED", "in_update_code", "none_fit", "update_code_note"]
 
 #: The causes whose remedy is one a trial can make (issue 28's table): their events say why none was tried.
 REMEDIED = frozenset({"division-by-zero", "log-domain", "sqrt-domain", "pow-domain", "exp-overflow",
@@ -36,7 +36,7 @@ def none_fit(report: Report) -> Note | None:
         return Note.of("fixes-update-code", op=report.op or "not named")
     if report.phase == Phase.OPTIMIZER:
         return Note.of("fixes-optimizer-none", optimizer=report.optimizer or "optimizer", cause=cause)
-    if batch_event(report):
+    if report.phase == Phase.DATA:
         return Note("fixes-batch-outside")
     return Note.of("fixes-none-fit", op=report.op or "not named")
 
@@ -55,10 +55,3 @@ def update_code_note(report: Report) -> Note:
     if op_function(report.op) in ("div", "reciprocal", "rsqrt"):
         return Note.of("fixes-update-divisor", op=report.op or "not named")
     return Note.of("fixes-update-code", op=report.op or "not named")
-
-
-def batch_event(report: Report) -> bool:
-    """Whether the event is a batch that entered a model call non-finite: phase data, or one the loop's code made from
-    a model output (phase forward outside every module, its tensor the call's input: localize/op_origins.py)."""
-    return report.phase == Phase.DATA or (
-        report.phase == Phase.FORWARD and report.module is None and report.tensor.role is TensorRole.INPUT)

@@ -35,7 +35,7 @@ from nan_magic.explain.evidence import node_function
 from nan_magic.fix_records import FUNCTIONS
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
-from nan_magic.fixes.no_remedy import batch_event, in_update_code, none_fit, update_code_note
+from nan_magic.fixes.no_remedy import in_update_code, none_fit, update_code_note
 from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, trained_argument, without_bad_samples
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
@@ -191,10 +191,10 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
     target = replay_target(root.module) or model
     calls = kept.replays.calls if kept.replays is not None else ()
     read = _read_by_the_loss(report, kept.loss, root, calls)
-    if isinstance(read, str) or (batch_event(report) and read is None and not holds_nonfinite(root)):
+    if isinstance(read, str) or (report.phase == Phase.DATA and read is None and not holds_nonfinite(root)):
         raise _NoTrial(Note.of("fixes-no-loss-code", reason=read) if isinstance(read, str) else (
             none_fit(report) or Note("fixes-batch-outside")))  # (as the tiered watch says it)
-    before_loss = read is None and (batch_event(report) or (report.phase == Phase.FORWARD
+    before_loss = read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
                                                                   and not _in_loss_code(report)))
     code = read or loss_code(kept.loss, root, before_loss=before_loss, calls=calls)
     if _in_loss_code(report) and not isinstance(code, LossCode):
@@ -223,7 +223,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
     # producer in the loss code, the step's last call (the loss code reads its outputs: loss.py checks).
     root = replays.replayed if report.reproduced else None
     loss_read = None
-    if batch_event(report):
+    if report.phase == Phase.DATA:
         root = batch_call(replays.calls)
         if root is None and replays.calls:
             loss_read = _read_by_the_loss(report, loss, replays.calls[-1], replays.calls)
@@ -234,13 +234,13 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         root = replays.calls[-1]
     model = replays.model_of(root.module) if root is not None else None
     if root is None or model is None:
-        none = none_fit(report) if batch_event(report) else Note("fixes-no-call")
+        none = none_fit(report) if report.phase == Phase.DATA else Note("fixes-no-call")
         if none is None:
             return ()
         raise _NoTrial(none)
     target = replay_target(root.module) or model
     # A forward event inside a model stops the step before its loss code; one in the loss code comes after it.
-    before_loss = loss_read is None and (batch_event(report) or (report.phase == Phase.FORWARD
+    before_loss = loss_read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
                                                                   and not _in_loss_code(report)))
     code = loss_read or loss_code(loss, root, before_loss=before_loss, calls=replays.calls)
     _alone(root.module, target, optimizers, code)
@@ -339,7 +339,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     already), and a module's producer whose op the per-call watch did not name too. ``in_loss``: a data event's
     producer whose value only the loss code read, run again ahead of it (:func:`_read_by_the_loss`).
     """
-    if batch_event(report) and not in_loss:
+    if report.phase == Phase.DATA and not in_loss:
         skipped = _skip_batch(report, step)
         site = producer_site(report)
         if data_code is not None and report.op is not None and site.function in FUNCTIONS:
@@ -407,8 +407,8 @@ def _data_code_trial(report: Report, site: Site, step: FailingStep, records: Reg
 
 
 def _in_loss_code(report: Report) -> bool:
-    """Whether the producer ran in the loss code: a forward op outside every module (not a batch's), or a gradient."""
-    return report.module is None and report.phase in (Phase.FORWARD, Phase.BACKWARD) and not batch_event(report)
+    """Whether the producer ran in the loss code: a forward op outside every module, or its gradient formula."""
+    return report.module is None and report.phase in (Phase.FORWARD, Phase.BACKWARD)
 
 
 def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: FailingStep,

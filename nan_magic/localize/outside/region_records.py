@@ -97,7 +97,6 @@ class RegionRecords:
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
-        self._claimed: tuple[list[RecordedOp], RecordedOp] | None = None  # (the ops up to it, the op claim named)
         #: What a report says where the frame that ran the op :meth:`claim` named was let go (a returned helper's
         #: whose tensors were too large to keep: recorder.weaken), so %debug cannot open there; None where held.
         self.let_go: Note | None = None
@@ -109,9 +108,8 @@ class RegionRecords:
         self.graph_grad_sites: set[tuple[Any, int]] = set()
         #: Whether the op :meth:`claim` named last ran in such a backward.
         self.claimed_in_graph_grad = False
-        #: Whether it made, from outside data alone, a tensor the data code built that the loss code read (a target);
-        #: ``claimed_from_model``: it made the tensor from a model output or a parameter (so never data).
-        self.claimed_from_data = self.claimed_from_model = False
+        #: Whether it made, from outside data alone, a tensor the data code built that the loss code read (a target).
+        self.claimed_from_data = False
         #: The watched root whose own forward hook a recorded op's code (and frame, where held) is, else None
         #: (owners.root_hook_module, bound to the watch's roots): torch runs that hook after the watch's post-hook
         #: started the loss region, and the root's call ran its ops. None: no watch names roots.
@@ -200,8 +198,7 @@ class RegionRecords:
         (a model output). ``key``: the id of a ``tensor`` freed since (a temporary loss, at the deferred check).
         ``written``: a batch entering a model, into which the recorded code may have written a number (``x[3] = nan``).
         """
-        self.claimed_from_data = self.claimed_from_model = False
-        self._claimed = None
+        self.claimed_from_data = False
         found = self._claim_in((self._ops, self._produced, self._rng), tensor, key, self.before, written)
         if found is None and self._data is not None:  # a batch the data code made, judged at the deferred check
             found = self._claim_in(self._data, tensor, key, self._data_before, written)
@@ -219,11 +216,6 @@ class RegionRecords:
             if found is not None:  # (the frames of the code that ran it: the report's calls, calls_to)
                 self.claimed_from_data = made_from_outside_data(prior[0][0], tensor, self._earlier_loss())
                 self._data_calls = {**prior[2], **self._data_calls}
-        if found is not None and self._claimed is not None:  # (what the producer op's own value was made from)
-            ops, producer = self._claimed
-            made = next((out.ref() if isinstance(out, WeakRecord) else out for out in tree_leaves(producer.out)), None)
-            self.claimed_from_model = isinstance(made, torch.Tensor) and not made_from_outside_data(
-                ops, made, self._earlier_loss())
         return found
 
     def _claim_written(self, tensor: torch.Tensor, data: _Records) -> OpFinding | None:
@@ -321,7 +313,6 @@ class RegionRecords:
         producer = ops[ran] if str(ops[ran].func) == tracer.finding.op else maker(
             tracer.witnesses.output_of(tracer.finding), ops[:ran], copies) or ops[ran]
         frame: FrameType | None = producer.frame
-        self._claimed = (ops[: ran + 1], producer)
         hooked = self._module_of(producer, frame)
         finding = dataclasses.replace(tracer.finding, source=op_source(producer), inner_source=None,
                                       module=tracer.finding.module if hooked is None else hooked, spread=(
