@@ -13,6 +13,8 @@ Each with a healthy twin: the same code with the guard or healthy data.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -336,6 +338,32 @@ class RootScale(nn.Module):
         return x * self.s.abs().sqrt()  # producer: root scale
 
 
+def _side_by_side(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer], inputs: Sequence[Sequence[Any]],
+                  ys: Sequence[torch.Tensor], steps: int, at: int = -1, prune: Callable[[], object] = lambda: None
+                  ) -> Callable[[], list[torch.Tensor]]:
+    """The loop the two-model rows share: both models trained on one summed loss, each by its own optimizer;
+    ``prune()`` runs under no_grad before step ``at`` (a pruning mask, a zeroed bias). ``inputs[i]``: model i's
+    batches."""
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(steps):
+            if step == at:
+                with torch.no_grad():
+                    prune()
+            first, second = (F.mse_loss(model(xs[step]), ys[step]) for model, xs in zip(models, inputs))
+            loss = first + second
+            for opt in opts:
+                opt.zero_grad()
+            loss.backward()
+            for opt in opts:
+                opt.step()  # producer: gan step
+            losses.append(loss.detach())
+        return losses
+
+    return run
+
+
 def _twins_gradient(dead: bool) -> Scenario:
     """A student and a teacher of one class (``Sequential``: the report tells them apart as ``Sequential#1`` and
     ``#2``), trained side by side with one optimizer each; at step 1 the teacher's scale ``1.s`` is zeroed (a pruning
@@ -346,21 +374,10 @@ def _twins_gradient(dead: bool) -> Scenario:
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (student, teacher)]
     xs, ys = _batches(5, 4), _batches(5, 1)
 
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            if step == 1:
-                with torch.no_grad():
-                    teacher[1].s.mul_(0.0 if dead else 0.5)
-            loss = F.mse_loss(student(xs[step]), ys[step]) + F.mse_loss(teacher(xs[step]), ys[step])
-            for opt in opts:
-                opt.zero_grad()
-            loss.backward()
-            for opt in opts:
-                opt.step()
-            losses.append(loss.detach())
-        return losses
+    def prune() -> None:
+        teacher[1].s.mul_(0.0 if dead else 0.5)
 
+    run = _side_by_side((student, teacher), opts, (xs, xs), ys, 3, at=1, prune=prune)
     return Scenario((student, teacher), run)
 
 
@@ -374,18 +391,7 @@ def _twins_optimizer(eps: float) -> Scenario:
     opts = [torch.optim.Adam(first.parameters(), lr=1e-3), torch.optim.Adam(second.parameters(), lr=1e-3, eps=eps)]
     ids, ys = [torch.randint(0, 9, (6,)) for _ in range(3)], _batches(6, 1)
 
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            loss = F.mse_loss(first(ids[step]), ys[step]) + F.mse_loss(second(ids[step]), ys[step])
-            for opt in opts:
-                opt.zero_grad()
-            loss.backward()
-            for opt in opts:
-                opt.step()  # producer: gan step
-            losses.append(loss.detach())
-        return losses
-
+    run = _side_by_side((first, second), opts, (ids, ids), ys, 3)
     return Scenario((first, second), run)
 
 
@@ -422,21 +428,10 @@ def _twins_forward(dead: bool) -> Scenario:
     xs, views, ys = _batches(5, 4), _batches(5, 4), _batches(5, 1)
     views[2][1] = 0.0
 
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(4):
-            if step == 2:
-                with torch.no_grad():
-                    target[0].bias.mul_(0.0 if dead else 0.5)
-            loss = F.mse_loss(online(xs[step]), ys[step]) + F.mse_loss(target(views[step]), ys[step])
-            for opt in opts:
-                opt.zero_grad()
-            loss.backward()
-            for opt in opts:
-                opt.step()
-            losses.append(loss.detach())
-        return losses
+    def prune() -> None:
+        target[0].bias.mul_(0.0 if dead else 0.5)
 
+    run = _side_by_side((online, target), opts, (xs, views), ys, 4, at=2, prune=prune)
     return Scenario((online, target), run)
 
 
@@ -457,18 +452,7 @@ def _twins_resumed(where: str) -> Scenario:
         state["state"][0]["exp_avg_sq"][1, 2] = float("nan")
     opts[1].load_state_dict(state)
 
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            loss = sum(F.mse_loss(model(xs[step + 1]), ys[step + 1]) for model in models)
-            for opt in opts:
-                opt.zero_grad()
-            loss.backward()
-            for opt in opts:
-                opt.step()
-            losses.append(loss.detach())
-        return losses
-
+    run = _side_by_side(models, opts, (xs[1:], xs[1:]), ys[1:], 3)
     return Scenario((*models, *opts), run)
 
 
@@ -504,21 +488,10 @@ def _twins_parent_code(dead: bool) -> Scenario:
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
     xs, ys = _batches(5, 4), _batches(5, 1)
 
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            if step == 1:
-                with torch.no_grad():
-                    models[1].gate.s.mul_(0.0 if dead else 0.5)
-            loss = sum(F.mse_loss(model(xs[step]), ys[step]) for model in models)
-            for opt in opts:
-                opt.zero_grad()
-            loss.backward()
-            for opt in opts:
-                opt.step()
-            losses.append(loss.detach())
-        return losses
+    def prune() -> None:
+        models[1].gate.s.mul_(0.0 if dead else 0.5)
 
+    run = _side_by_side(models, opts, (xs, xs), ys, 3, at=1, prune=prune)
     return Scenario(tuple(models), run)
 
 
