@@ -159,18 +159,20 @@ def _diffusion(model: nn.Module) -> Scenario:
     noises = [torch.randn(4, 8) for _ in range(3)]
     ts = [torch.tensor([3, 7, 5, 9]), torch.tensor([4, 8, 0, 2]), torch.tensor([1, 6, 3, 5])]
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return Scenario((model, opt), lambda: _fit(model, opt, xs, ts, noises))
 
-    def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            loss = model(xs[step], ts[step], noises[step])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        return losses
 
-    return Scenario((model, opt), run)
+def _fit(model: nn.Module, opt: torch.optim.Optimizer, xs: list[torch.Tensor], ts: list[torch.Tensor],
+         noises: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A diffusion model's training steps, one a batch (the model returns its loss); the losses."""
+    losses = []
+    for x, t, noise in zip(xs, ts, noises):
+        loss = model(x, t, noise)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
 
 
 def _score(first_beta: float) -> Scenario:
@@ -436,13 +438,7 @@ def _ddpm(zero_terminal: bool, clip: bool) -> Scenario:
     opt = torch.optim.Adam(ddpm.parameters(), lr=1e-3)
 
     def run() -> list[torch.Tensor]:
-        losses = []
-        for step in range(2):
-            loss = ddpm(xs[step], ts[step], noises[step])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
+        losses = _fit(ddpm, opt, xs, ts, noises)
         with torch.no_grad():
             x = draws[10]
             for t in range(9, -1, -1):
