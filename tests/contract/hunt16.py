@@ -876,8 +876,8 @@ CASES += [
          Expect("backward", "", "RsqrtNormalize", step=1, op="aten.pow.Tensor_Scalar", marker="clamped rsqrt",
                 cause="sqrt-domain",
                 says=(("full", "inputs      finite, but for an infinity absorbed in forward"),
-                      ("default", "the infinity came from aten.rsqrt.default"),
-                      ("defer", "the infinity came from aten.rsqrt.default")))),
+                      ("default", "the 1 +inf came from aten.rsqrt.default"),
+                      ("defer", "the 1 +inf came from aten.rsqrt.default")))),
     Case("hunt16_l2_normalize_clamped_before_rsqrt_healthy", lambda: _rsqrt_normalize(True), None),
 ]
 

@@ -27,12 +27,32 @@ def cause_hint(cause: Cause) -> str:
     hint = _reading(cause).hint(cause)
     absorbed = cause.fact("absorbed")
     if absorbed is not None:
-        op, filename, lineno = absorbed[:3]
+        op, filename, lineno, _module, nan, posinf, neginf = absorbed
+        made = counts_phrase(nan, posinf, neginf)
         hint += (
-            f"; the infinity came from {op}{_at(filename, lineno)}, absorbed in forward: compute that branch on "
-            "clamped inputs (e.g. exp(x.clamp(max=...)) inside torch.where) so that it stays finite"
+            f"; the {made} came from {op}{_at(filename, lineno)}, absorbed in forward (the branch torch.where "
+            f"discarded still has a backward, and 0 · {'nan' if nan else 'inf'} is nan): compute that branch on "
+            f"inputs where it is defined ({_safe_branch(op)} inside the torch.where) so that it stays finite"
         )
     return hint
+
+
+#: The discarded branch computed on safe inputs, by the absorbed op's name (aten.<name>.<overload>).
+_SAFE_BRANCHES = {
+    "sqrt": "x.clamp_min(1e-12).sqrt()", "rsqrt": "x.clamp_min(1e-12).rsqrt()", "log": "x.clamp_min(1e-12).log()",
+    "log2": "x.clamp_min(1e-12).log2()", "log10": "x.clamp_min(1e-12).log10()",
+    "log1p": "x.clamp_min(-1 + 1e-6).log1p()", "exp": "x.clamp(max=80).exp()", "expm1": "x.clamp(max=80).expm1()",
+    "pow": "x.clamp_min(1e-12) ** p", "div": "a / torch.where(b == 0, 1, b)",
+    "reciprocal": "torch.where(x == 0, 1, x).reciprocal()",
+    "acos": "x.clamp(-1 + 1e-7, 1 - 1e-7).acos()", "asin": "x.clamp(-1 + 1e-7, 1 - 1e-7).asin()",
+    "atanh": "x.clamp(-1 + 1e-7, 1 - 1e-7).atanh()",
+}
+
+
+def _safe_branch(op: str) -> str:
+    parts = op.split(".")
+    name = (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]).rstrip("_")
+    return _SAFE_BRANCHES.get(name, "the op's input masked to a safe value, e.g. torch.where(mask, x, 1)")
 
 
 def cause_evidence(cause: Cause) -> tuple[str, ...]:

@@ -152,7 +152,15 @@ def _held(event: Report) -> str:
 
 
 def _pole_hint(event: Report, cause: Cause) -> str:
-    derivative, fix = _POLES[cause.fact("function")]
+    function = cause.fact("function")
+    derivative, fix = _POLES[function]
+    absorbed = cause.fact("absorbed")
+    if absorbed is not None and absorbed[4] and not absorbed[5] + absorbed[6]:
+        # The forward made NaN only (a sqrt or log of a negative), not an infinity: its input was outside the
+        # function's domain, which says nothing about the pole at 0; the absorbed sentence after this one gives the fix
+        # (an eps added inside would not: the inputs are negative).
+        return (f"{function} at {line(event)} read inputs outside its domain in forward, and its backward gave "
+                f"{counts(event)} ({event.op})")
     return f"{derivative} at {line(event)}{zeros_phrase(event)}: its backward gave {counts(event)} ({event.op}); {fix}"
 
 
