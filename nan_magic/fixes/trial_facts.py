@@ -77,6 +77,8 @@ def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, o
         facts += [("function", remedy.function), ("form", remedy.form)]
     if isinstance(remedy, StableFix) and remedy.at_line is not None:  # (the edit fuses the op the trial did)
         facts += [("fused_at_line", remedy.at_line)]
+    if isinstance(remedy, MaskFix) and remedy.weights_off:
+        facts += [("weights_off", True)]
     if isinstance(remedy, (DomainFix, MaskFix)) and remedy.total and remedy.moved == remedy.total:
         # Every value was out of the domain (every row masked): the output no longer depends on them.
         facts += [("moved_all", remedy.total)]

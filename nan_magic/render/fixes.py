@@ -98,6 +98,9 @@ def _changed(trial: FixTrial) -> str:
         rows = f"row{'s' if len(indices) != 1 else ''} {', '.join(str(index) for index in indices)}"
         return (f"the batch without its {trial.fact('left_out')} of {counted(trial.fact('batch'), 'sample')} holding "
                 f"non-finite values ({rows})")
+    if trial.kind == "mask" and trial.fact("weights_off"):
+        return ("nn.MultiheadAttention called with need_weights=False (torch's fused attention gives a fully masked "
+                "row 0 where the weights' softmax gives NaN)")
     if trial.kind == "mask":
         return "the fully masked rows' output made 0 instead of NaN"
     return trial.kind

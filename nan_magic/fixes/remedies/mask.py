@@ -6,6 +6,13 @@ into 0 (``.nan_to_num(0.0)``, what the suggested edit writes): the row
 attends to nothing. Its backward is finite where the mask was applied by
 ``masked_fill`` (whose backward drops the masked positions' gradient); an
 additive mask's NaN gradient is not, and the trial says so.
+
+``nn.MultiheadAttention`` computes its softmax inside one torch function
+(``multi_head_attention_forward``), which a function mode sees whole: there
+the remedy calls it with ``need_weights=False``, the fused attention path,
+which gives a fully masked row 0 and a finite gradient (torch >= 2.5) where
+the weights' softmax gives NaN. A caller that reads the weights gets None,
+and the trial says what that raised.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ __all__ = ["MASKED", "MaskFix"]
 
 #: The functions whose fully masked rows the remedy zeroes.
 MASKED = frozenset({"softmax", "_softmax", "scaled_dot_product_attention"})
+_ATTENTION_MODULE = "multi_head_attention_forward"
 
 
 class MaskFix:
@@ -29,13 +37,19 @@ class MaskFix:
     def __init__(self) -> None:
         #: Values made 0, of how many: every one means every row was masked (an output of zeros, no gradient).
         self.moved = self.total = 0
+        #: Whether an nn.MultiheadAttention call was made without its weights (its fused path) instead.
+        self.weights_off = False
 
     def renewed(self) -> MaskFix:
         """The same remedy, nothing counted yet (for a second trial of it)."""
         return MaskFix()
 
     def __call__(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if function_name(func) not in MASKED:
+        name = function_name(func)
+        if name == _ATTENTION_MODULE and kwargs.get("need_weights"):  # (nn.MultiheadAttention passes it by name)
+            self.weights_off = True
+            return func(*args, **{**kwargs, "need_weights": False})
+        if name not in MASKED:
             return None
         result = func(*args, **kwargs)
         if not isinstance(result, torch.Tensor):
