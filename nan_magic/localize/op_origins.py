@@ -31,7 +31,6 @@ from nan_magic.hot.watched.targets import ModuleInfo
 from nan_magic.localize.forward_called import in_forward_called
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.reached import bad_origin, failed_ops
-from nan_magic.localize.ops.sources import calls_from_caller
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.raised import traceback_tensors
@@ -440,7 +439,7 @@ class OpOrigins:
             if finding.frame is not None:
                 # From the loop's line that called the model, through each forward of the replay that called the
                 # next, to the op's: the traceback's frames in call order (errors/frames.end_at_producer).
-                finding.frame_calls = calls_from_caller(tracer.witnesses.calls_of(op_finding))
+                finding.frame_calls = tracer.witnesses.calls_of(op_finding)
         self._name_type_and_model(finding)
         return finding
 

@@ -22,6 +22,7 @@ import torch
 import torch.utils.checkpoint
 
 from nan_magic.errors.frames import CODES_KEPT, frames_running, is_library_code, pointer, pointer_at
+from nan_magic.errors.line_state import one_call
 from nan_magic.localize.ops.owners import CALL_IMPL, forward_hook_module
 from nan_magic.localize.ops.plans import Plan, tensors
 from nan_magic.records import SourcePointer
@@ -195,6 +196,45 @@ def replayed_calls(frame: FrameType) -> tuple[Caller | None, Chain] | None:
             chain.append((current, current.f_lasti, current.f_lineno))
         current = current.f_back
     return None
+
+
+def live_calls(frame: FrameType) -> Chain:
+    """A live trace's user frames above ``frame`` (the user's frame that ran the op), outermost first, each as it
+    called the next. Where they return before the check raises (a helper the forward called, the forward itself:
+    ``mode="full"`` or ``ops=True`` judges a forward's value at the model's output), the traceback lacks them; the
+    report's frames and ``%debug``'s ``up`` read through them as in the default watch (frames.end_at_producer).
+
+    Below a replay of a module call that the watch made while the user's frames above it ran (``mode="full"``
+    judging a child's input inside the forward, then replaying the forward to name the op), the replay's frames
+    re-run calls that are still running: each is the running frame (line_state.one_call: the same function, alike
+    arguments), at the line where the replay's called the next, so that a call stands once, and a recursion's
+    depths stay apart."""
+    replayed: list[tuple[FrameType, int, int]] = []
+    running: list[tuple[FrameType, int, int]] = []
+    current = frame.f_back
+    while current is not None:
+        if not running and current.f_code.co_filename.startswith(_OWN_DIR):
+            running.append((current, -1, -1))  # (the watch's own frame: the user's above it were running)
+        elif not passed_over(current.f_code):
+            (running if running else replayed).append((current, current.f_lasti, current.f_lineno))
+        current = current.f_back
+    running = running[1:]
+    if not running:
+        return tuple(reversed(replayed))
+    outer, inner = list(reversed(running)), list(reversed(replayed))
+    start = next((index for index in range(len(outer) - 1, -1, -1) if inner and _one_call(outer[index], inner[0])),
+                 None)
+    if start is None:
+        return (*outer, *inner)  # (the replayed call had returned: judged at the model's output)
+    chain, index = outer[:start], 0
+    while start + index < len(outer) and index < len(inner) and _one_call(outer[start + index], inner[index]):
+        chain.append((outer[start + index][0], inner[index][1], inner[index][2]))
+        index += 1
+    return (*chain, *inner[index:])
+
+
+def _one_call(running: tuple[FrameType, int, int], replayed: tuple[FrameType, int, int]) -> bool:
+    return running[0].f_code is replayed[0].f_code and one_call(running[0], replayed[0])
 
 
 def calls_from_caller(replayed: tuple[Caller | None, Chain] | None) -> Chain:

@@ -18,7 +18,7 @@ import torch
 
 from nan_magic.errors.line_state import LineEnd, after_line
 from nan_magic.localize.ops.origins import OpFinding
-from nan_magic.localize.ops.sources import Caller, Chain, replayed_calls
+from nan_magic.localize.ops.sources import Caller, Chain, calls_from_caller, live_calls, replayed_calls
 
 __all__ = ["OpWitnesses"]
 
@@ -37,6 +37,8 @@ class OpWitnesses:
         self._frames: dict[int, LineEnd] = {}
         #: How a replay reached the frame (sources.replayed_calls); absent for a live trace's.
         self._calls: dict[int, tuple[Caller | None, Chain]] = {}
+        #: A live trace's: the user's frames above the op's, as they called the next (sources.live_calls).
+        self._live: dict[int, Chain] = {}
 
     def note(self, finding: OpFinding, tensors: Sequence[tuple[str, weakref.ref[torch.Tensor]]],
              frame: FrameType | None, in_place: bool = False, at: tuple[int, int] | None = None) -> None:
@@ -57,6 +59,8 @@ class OpWitnesses:
             calls = replayed_calls(frame)
             if calls is not None:
                 self._calls[id(finding)] = calls
+            else:
+                self._live[id(finding)] = live_calls(frame)
 
     def release(self) -> None:
         """Let go of the tensors :attr:`hold` kept (the claim has copied its finding's)."""
@@ -70,14 +74,17 @@ class OpWitnesses:
         self._versions = {key: value for key, value in self._versions.items() if key in kept}
         self._frames = {key: value for key, value in self._frames.items() if key in kept}
         self._calls = {key: value for key, value in self._calls.items() if key in kept}
+        self._live = {key: value for key, value in self._live.items() if key in kept}
 
     def frame_of(self, finding: OpFinding) -> tuple[FrameType | None, tuple[int, int] | None]:
         """The user's frame that ran the op, and its ``(f_lasti, f_lineno)`` then; ``(None, None)`` if unknown."""
         return self._frames[id(finding)].where() if id(finding) in self._frames else (None, None)
 
-    def calls_of(self, finding: OpFinding) -> tuple[Caller | None, Chain] | None:
-        """How a replay reached the frame that ran the op (sources.replayed_calls), or None."""
-        return self._calls.get(id(finding))
+    def calls_of(self, finding: OpFinding) -> Chain:
+        """The frames from the user's frame that called the model to the op's: through the replay that reached it
+        (sources.replayed_calls, where that caller still runs), or as a live trace's ran (sources.live_calls)."""
+        replayed = self._calls.get(id(finding))
+        return calls_from_caller(replayed) if replayed is not None else self._live.get(id(finding), ())
 
     def output_of(self, finding: OpFinding) -> torch.Tensor | None:
         """The op's output while it lives: a replay of recorded ops finds the record that made it by it."""

@@ -38,6 +38,7 @@ from nan_magic.hot.reads import iter_tensors, relevant_kinds
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.origins import OpFinding
 from nan_magic.localize.ops.reached import reached_failure
+from nan_magic.localize.ops.sources import Chain
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.replay.line_replay import NOT_REACHED, LineStop, line_stop_at, nodes_made
 from nan_magic.localize.replay.untouched import arguments_untouched, untouched
@@ -71,6 +72,9 @@ class ReplayResult:
     benign_modules: frozenset[str | None] = frozenset()
     #: What the report says of ``frame`` where it is a replay of a backward op's forward line, or why there is none.
     debug_note: Note | None = None
+    #: The user's frames from the one that called the check to ``frame``, as each called the next (the replayed
+    #: forwards between: the traceback lacks them, frames.end_at_producer).
+    calls: Chain = ()
 
 
 def replay_module(
@@ -149,6 +153,7 @@ def replay_module(
         return ReplayResult(
             finding=tracer.finding, reproduced=True, tensors=tracer.producer_tensors, frame=frame,
             benign_modules=benign, debug_note=Note.of("debug-in-replay", module=module_name) if frame else None,
+            calls=tracer.witnesses.calls_of(tracer.finding),
         )
     if failure is not None:
         note = Note.of("replay-raised", module=module_name, error=type(failure).__name__, message=str(failure))

@@ -180,7 +180,7 @@ class CallReplay(BackwardCallReplays):
                 # and ops=True name it.
                 finding.module, finding.module_type = op.module, user_type(uncalled)
             apply_op_finding(finding, op, result.tensors)
-            finding.frame = result.frame
+            finding.frame, finding.frame_calls = result.frame, result.calls
             finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of("replay-found", module=frame.info.name, nan=op.nan, posinf=op.posinf,
                                          neginf=op.neginf, op=op.op))
@@ -248,7 +248,7 @@ class CallReplay(BackwardCallReplays):
             return self._deliberate_in_replay(finding, call, outer)
         if op is not None and within:
             apply_op_finding(finding, op, result.tensors)
-            finding.frame = result.frame
+            finding.frame, finding.frame_calls = result.frame, result.calls
             finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of(
                 "found-in-enclosing", module=call.name, reason=missing.pair if missing else None, outer_module=outer,
@@ -261,7 +261,7 @@ class CallReplay(BackwardCallReplays):
             # enclosing the one whose output was found: that caller is the producer.
             self.move_to(finding, caller, TensorRef.op_output(op.op))
             apply_op_finding(finding, op, result.tensors)
-            finding.frame = result.frame
+            finding.frame, finding.frame_calls = result.frame, result.calls
             finding.notes.extend([result.debug_note] if result.debug_note is not None else [])
             finding.notes.append(Note.of("found-in-caller", outer_module=outer, op_module=op.module, op=op.op,
                                          module=call.name))
