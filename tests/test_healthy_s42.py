@@ -91,6 +91,26 @@ def functional_call_fullgraph_first_inside() -> Row:
     return Row((model,), (model,), run)
 
 
+def reset_then_grad_of_functional_call() -> Row:
+    """A sweep inside one watch: ``torch.compiler.reset()`` before each configuration, then
+    ``torch.compile(torch.func.grad(f))`` over ``functional_call`` (the reset clears dynamo's compile callbacks,
+    by which the watch keeps its hooks out of what dynamo traces)."""
+    model, x = _mlp(), torch.randn(8, 4)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def run(watching: Callable[..., Any]) -> list[Any]:
+        grads = []
+        with watching():
+            for scale in (1.0, 2.0):
+                torch.compiler.reset()
+                grad = torch.compile(torch.func.grad(
+                    lambda p, x, s=scale: torch.func.functional_call(model, p, (x,)).mul(s).sum()), backend="eager")
+                grads.append(_grads(grad(params, x)))
+        return grads
+
+    return Row((model,), (model,), run)
+
+
 def fullgraph_function_over_model() -> Row:
     """A ``fullgraph=True`` compiled loss over a plain model (under ``ops=True`` the op tracer makes dynamo compile
     no frame, which ``fullgraph=True`` raises on unless the stance says eager)."""
@@ -274,6 +294,7 @@ ROWS: dict[str, Callable[[], Row]] = {
     "grad_of_functional_call_aot_eager": grad_of_functional_call("aot_eager"),
     "per_sample_grads_compiled": per_sample_grads_compiled,
     "functional_call_fullgraph_first_inside": functional_call_fullgraph_first_inside,
+    "reset_then_grad_of_functional_call": reset_then_grad_of_functional_call,
     "fullgraph_function_over_model": fullgraph_function_over_model,
     "func_transforms": func_transforms,
     "checkpoint_reentrant": checkpointed_training(True),

@@ -80,6 +80,7 @@ class GlobalModuleHooks:
         self._stack: ExitStack | None = None
         self._eager = False
         self._noticed = False
+        self._off_for_compile = False  # (compile_started took them off)
 
     def attach(self, stack: ExitStack) -> None:
         """Attach the global hooks until ``stack`` closes."""
@@ -87,7 +88,6 @@ class GlobalModuleHooks:
         self._eager = False  # attached again after a nested watch took over: its stance went with the old stack
         self._on()
         stack.callback(self._off)
-        self._off_while_compiling(stack)
         # Inserted by hand: filterwarnings() would first remove an equal filter (an outer watch's, or
         # the user's own), which our exit would then take away.
         added = ("ignore", re.compile(_GLOBAL_HOOK_WARNING, re.I), UserWarning, None, 0)
@@ -95,8 +95,9 @@ class GlobalModuleHooks:
         warnings._filters_mutated()  # type: ignore[attr-defined]
         stack.callback(_remove_filter, added)
 
-    def _off_while_compiling(self, stack: ExitStack) -> None:
-        """Our hooks off while dynamo compiles, back when it is done (its compile start and end callbacks).
+    def compile_started(self, *_args: Any) -> None:
+        """As dynamo starts a compile: our hooks off until it ends (:meth:`compile_ended`; patches/compile_callbacks.py
+        calls both).
 
         A compiled function that calls a module dynamo does not treat as a constant (one ``functional_call``
         swaps tensors into: ``torch.compile(torch.func.grad(f))``, per-sample gradients) has dynamo trace the
@@ -106,32 +107,15 @@ class GlobalModuleHooks:
         function compiled before the watch: dynamo guards the hook dicts' type only, so neither the watch's
         arrival nor its end recompiles it. A compiled region's module calls are not seen, as a compiled model's.
         """
-        handler: Any = getattr(getattr(sys.modules.get("torch._dynamo"), "callback", None), "callback_handler", None)
-        if not all(hasattr(handler, name) for name in ("register_start_callback", "register_end_callback",
-                                                       "remove_start_callback", "remove_end_callback",
-                                                       "start_callbacks", "end_callbacks")):
-            return  # (another torch's private callbacks: the hooks stay, traced as before)
-        took_off: list[bool] = []
+        if self._attached:
+            self._off()
+            self._off_for_compile = True
 
-        def compile_started(*_args: Any) -> None:  # (torch 2.4's callbacks take no argument, later ones one)
-            if self._attached:
-                self._off()
-                took_off.append(True)
-
-        def compile_ended(*_args: Any) -> None:
-            if took_off:
-                took_off.clear()
-                self._on()
-
-        def removed() -> None:
-            if compile_ended in handler.end_callbacks:  # (torch._dynamo.reset() clears them)
-                handler.remove_end_callback(compile_ended)
-            if compile_started in handler.start_callbacks:
-                handler.remove_start_callback(compile_started)
-
-        handler.register_start_callback(compile_started)
-        handler.register_end_callback(compile_ended)
-        stack.callback(removed)
+    def compile_ended(self, *_args: Any) -> None:
+        """As dynamo's compile ends: our hooks back where :meth:`compile_started` took them off."""
+        if self._off_for_compile:
+            self._off_for_compile = False
+            self._on()
 
     def step_aside_for(self, model: nn.Module) -> None:
         """Take the global hooks off while ``model`` runs; they come back when its call returns or raises."""
