@@ -228,6 +228,10 @@ class Traced(Localizing):
         super().attach(stack, origins, module_name, phase_hint)
         # The tracer names the innermost watched module running, from the forward hooks' stack.
         stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint, self._deferred))
+        # With the tracer (a dispatch mode) on the stack dynamo runs every frame eagerly, and torch.compile's
+        # fullgraph=True raises where a call compiled no frame, unless the stance says eager.
+        if hasattr(torch.compiler, "set_stance"):  # (torch>=2.6)
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         # The tracer's weak references to the tensors it read would make the user's swap_tensors (model.to() under
         # the swap future) raise: they go first (patches/swaps.py).
         stack.enter_context(forgotten_before_swaps(lambda tensor: _forget_known(origins, tensor)))
