@@ -17,6 +17,7 @@ from nan_magic.render.words.causes.overflow import OVERFLOW_READINGS
 from nan_magic.render.words.causes.phrases import Reading, counts, counts_phrase, event_of, fmt, what
 from nan_magic.render.words.causes.without_op_rule import STEP_READINGS
 from nan_magic.render.words.counted import counted
+from nan_magic.render.words.lr_words import scheduler_words
 from nan_magic.render.words.names import subject_label
 
 __all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
@@ -173,6 +174,33 @@ def _lr_set_hint(cause: Cause) -> str:
     )
 
 
+def _lr_nonfinite_hint(cause: Cause) -> str:
+    """A NaN or infinite rate no line of the loop was found to set: the scheduler's step that wrote it, or where
+    nothing told, that it is not known (a rate given to the optimizer, a config's, a checkpoint's)."""
+    lr = cause.fact("lr")
+    what = "not a number" if lr != lr else "infinite"
+    if cause.reading == "optimizer-lr-scheduled":
+        by = scheduler_words(cause.fact("scheduler"), cause.fact("last_epoch"), cause.fact("initial_lr"))
+        where = (f", written by {by}; find where its formula divides by zero or grows past the float max (a warm-up or decay over 0 "
+                 "steps, a range test's factor compounded too long) and keep it finite")
+    else:
+        where = ("; where it was set is not known (no torch learning-rate scheduler's step wrote it, and no name in the "
+                 "loop's code holds it): look for what writes its param_groups' \"lr\" (the rate given to the optimizer, a "
+                 "config, a loaded checkpoint) and keep it finite")
+    return (f"the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)} at step {cause.fact('step')}: "
+            f"its learning rate lr = {fmt(lr)} is {what}, not a rate too high, so every update lr · g is non-finite "
+            f"whatever the gradient{where}")
+
+
+def _lr_nonfinite_evidence(cause: Cause) -> tuple[str, ...]:
+    lr = cause.fact("lr")
+    lines = (*_step_facts(cause), f"lr {fmt(lr)} is {'not a number' if lr != lr else 'infinite'}")
+    if cause.reading == "optimizer-lr-scheduled":
+        return (*lines, "set by " + scheduler_words(cause.fact("scheduler"), cause.fact("last_epoch"),
+                                                    cause.fact("initial_lr")))
+    return lines
+
+
 def _lr_evidence(cause: Cause) -> tuple[str, ...]:
     lr, limit, dtype = cause.fact("lr"), cause.fact("limit"), cause.fact("dtype")
     if lr >= limit:
@@ -298,6 +326,8 @@ _READINGS: dict[str, Reading] = {
     **OP_READINGS,
     **OVERFLOW_READINGS,
     "optimizer-lr": Reading(_lr_hint, _lr_evidence),
+    "optimizer-lr-scheduled": Reading(_lr_nonfinite_hint, _lr_nonfinite_evidence),
+    "optimizer-lr-nonfinite": Reading(_lr_nonfinite_hint, _lr_nonfinite_evidence),
     "optimizer-lr-set": Reading(_lr_set_hint, lambda cause: (
         *_step_facts(cause), f"from {cause.fact('name')}, set by the loop at line {cause.fact('line')}")),
     "optimizer-state-overflow": Reading(_state_overflow_hint, _step_facts, sentence=False),
