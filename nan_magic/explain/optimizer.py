@@ -53,7 +53,9 @@ def optimizer_cause(report: Report) -> Cause:
         if scheduled is not None:
             return Cause("nonfinite-number", "optimizer-lr-scheduled", (*facts, *(
                 (name, scheduled.fact(name)) for name in ("scheduler", "last_epoch", "initial_lr"))))
-        return Cause("nonfinite-number", "optimizer-lr-nonfinite", facts)
+        stored = next((note for note in report.note_facts if note.kind == "lr-stored-by-loop"), None)
+        return Cause("nonfinite-number", "optimizer-lr-nonfinite", (*facts, *(
+            (("stored_line", stored.fact("line")), ("stored_text", stored.fact("text"))) if stored else ())))
     if lr is not None and not lr < limit / _LR_MARGIN and not made:
         # (Not where the loop's own op made a NaN or infinite rate, named at its line: the op says why.)
         # Adam-like updates are about ±lr (up to a few tens of lr), SGD's lr·grad: with lr past the max, or

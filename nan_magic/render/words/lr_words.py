@@ -22,6 +22,9 @@ LR_NOTE_TEMPLATES: dict[str, str] = {
     # localize/outside/lr_lines.py: a step's non-finite learning rate, set by the loop's line (no op made it)
     "lr-set-by-loop": "the learning rate lr = {lr} comes from {name}, which the loop set at line {line} before the "
                       "step read it (not a rate too high)",
+    # localize/outside/lr_lines.py: no name holds it; the loop's one line that writes a group's "lr"
+    "lr-stored-by-loop": "the loop's code has one line that writes a group's \"lr\", line {line}: where to look "
+                         "for the learning rate lr = {lr} (no name holds it; whether that line ran is not known)",
     # fixes/no_remedy.py: no trial for a rate that is not a number (a tenth of NaN is NaN)
     "fixes-lr-nonfinite": "no fix was tried: the learning rate is {lr}, and a lower one (a tenth of it) is {lr} too; "
                           "the remedy is a finite rate where it is set, which no replay can choose",

@@ -1,0 +1,158 @@
+"""hunt-c-s42: what the report says must be what the watch measured.
+
+A NaN or infinite learning rate is the number itself, not a rate too high; a layer table's cells that were not
+measured read as missing, not as NaN; a remedy that makes the step finite far off the healthy scale is not read as a
+fix; a divisor gathered from a schedule is no per-row reduction. Each case has a healthy twin where it matters.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from watching import raised
+
+import nan_magic
+
+# ---------------------------------------------------------------- a learning rate that is not finite
+
+
+def _lr_loop(configure: Callable[[torch.optim.Optimizer], object], write: Callable[[int, torch.optim.Optimizer], None],
+             literal_at: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], list[float]]]:
+    """Six SGD steps; ``configure`` makes a scheduler (or nothing), ``write(step, opt)`` is lr code in a helper, and
+    at step ``literal_at`` the loop itself writes a NaN rate as a literal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        scheduler = configure(opt)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def run() -> list[float]:
+        losses = []
+        for step in range(6):
+            write(step, opt)
+            if step == literal_at:
+                opt.param_groups[0]["lr"] = float("nan")  # lr literal
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                with np.errstate(all="ignore"):
+                    scheduler.step()
+            losses.append(loss.item())
+        return losses
+
+    return model, opt, run
+
+
+def _no_scheduler(_opt: torch.optim.Optimizer) -> None:
+    return None
+
+
+def _helper_nan(step: int, opt: torch.optim.Optimizer) -> None:
+    if step == 2:
+        opt.param_groups[0]["lr"] = float("nan")
+
+
+def _untouched(_step: int, _opt: torch.optim.Optimizer) -> None:
+    return None
+
+
+def _warmup_of(steps: int) -> Callable[[torch.optim.Optimizer], object]:
+    # A warm-up written with numpy numbers: 0 / 0 at step 0 when it lasts 0 steps (no ZeroDivisionError, a NaN).
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda epoch: float(min(np.float64(1.0), np.float64(epoch) / np.float64(steps))) if steps else float(
+            np.float64(epoch) / np.float64(steps)))
+
+
+def _assert_not_too_high(report: nan_magic.Report) -> str:
+    assert report.cause is not None and report.cause.label == "nonfinite-number"
+    text = report.to_text()
+    assert "learning-rate-too-high" not in text and "usual range" not in text and "a tenth of its learning" not in text
+    assert report.fixes == ()
+    assert (f"no fix was tried: the learning rate is {report.optimizer_lr}, and a lower one (a tenth of it) is "
+            f"{report.optimizer_lr} too") in text
+    return text
+
+
+@pytest.mark.parametrize("options", [{}, {"defer": True}, {"mode": "full"}, {"ops": True}],
+                         ids=["default", "defer", "full", "ops"])
+def test_a_nan_rate_written_as_a_literal_is_not_a_rate_too_high(options: dict[str, object]) -> None:
+    model, opt, run = _lr_loop(_no_scheduler, _untouched, literal_at=2)
+    report = raised(run, model, opt, **options)
+    assert (report.phase, report.step, report.module) == ("optimizer", 2, "0")
+    assert math.isnan(report.optimizer_lr or 0.0)
+    text = _assert_not_too_high(report)
+    assert report.cause is not None and report.cause.reading == "optimizer-lr-nonfinite"
+    line = next(n for n, source in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if source.endswith("# lr literal"))
+    assert ("its learning rate lr = nan is not a number, not a rate too high, so every update lr · g is non-finite"
+            in text)
+    assert f"the loop's code has one line that writes a group's \"lr\", line {line} (" in text
+    assert "whether it ran before this step is not known" in text
+
+
+def test_a_warm_up_scheduler_over_zero_steps_is_named_as_where_the_nan_rate_came_from() -> None:
+    model, opt, run = _lr_loop(_warmup_of(0), _untouched)
+    report = raised(run, model, opt)
+    assert (report.phase, report.step) == ("optimizer", 0)
+    text = _assert_not_too_high(report)
+    assert report.cause is not None and report.cause.reading == "optimizer-lr-scheduled"
+    assert "written by the LambdaLR scheduler's step (last_epoch 0; initial_lr 0.1)" in text
+    assert "a warm-up or decay over 0 steps" in text
+
+
+def test_a_nan_rate_the_loop_writes_after_a_healthy_scheduler_is_not_the_scheduler_s() -> None:
+    # The scheduler's last rate is finite: the NaN the step read was the loop's, so the scheduler is not named.
+    model, opt, run = _lr_loop(_warmup_of(3), _untouched, literal_at=2)
+    report = raised(run, model, opt)
+    assert report.cause is not None and report.cause.reading == "optimizer-lr-nonfinite"
+    assert "LambdaLR" not in report.to_text()
+
+
+def test_a_nan_rate_a_helper_writes_is_not_said_to_come_from_the_loop_s_line() -> None:
+    # The loop's one store into a group's "lr" never ran (a helper wrote the NaN): the line is offered as where to
+    # look, never as the line that set it, and %debug / the report's line stay at the step.
+    model, opt, run = _lr_loop(_no_scheduler, _helper_nan)
+    report = raised(run, model, opt)
+    text = _assert_not_too_high(report)
+    assert "whether it ran before this step is not known: the rate may also have come from a helper" in text
+    assert "set at line" not in text and report.source is not None and report.source.line == "opt.step()"
+
+
+def test_a_constructor_given_an_infinite_rate_names_no_line_it_did_not_see() -> None:
+    # No scheduler, no store into a group's "lr" in the loop: where it was set is not known, and it says so.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=float("inf"))
+
+    def run() -> None:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+
+    report = raised(run, model, opt)
+    text = _assert_not_too_high(report)
+    assert "its learning rate lr = inf is infinite, not a rate too high" in text
+    assert "where it was set is not known" in text and "at line" not in report.cause.hint  # type: ignore[union-attr]
+
+
+def test_a_healthy_warm_up_is_silent_and_bit_identical() -> None:
+    model, opt, run = _lr_loop(_warmup_of(3), _untouched)
+    with nan_magic.watch(model, opt) as watch:
+        watched = run()
+    assert watch.report is None
+    plain_model, _plain_opt, plain_run = _lr_loop(_warmup_of(3), _untouched)
+    assert plain_run() == watched
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters(), strict=True))
