@@ -156,3 +156,58 @@ def test_a_healthy_warm_up_is_silent_and_bit_identical() -> None:
     plain_model, _plain_opt, plain_run = _lr_loop(_warmup_of(3), _untouched)
     assert plain_run() == watched
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters(), strict=True))
+
+
+# ---------------------------------------------------------------- the layer table's missing numbers
+
+
+def _log_of_outputs(options: dict[str, object]) -> nan_magic.Report:
+    """The loss code takes the log of the model's outputs at step 3 (some are negative): NaN in the loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def run() -> None:
+        for step in range(5):
+            out = model(x)
+            loss = F.mse_loss(out.log() if step == 3 else out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    return raised(run, model, opt, **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "full"}], ids=["default", "full"])
+def test_numbers_not_measured_are_missing_never_nan_in_the_table_and_its_views(options: dict[str, object]) -> None:
+    report = _log_of_outputs(options)
+    table = report.table
+    numbers = ["min", "max", "mean", "std", "absmax"]
+    assert all(str(table[column].dtype) == "Float64" for column in numbers)
+    # No cell of the DataFrame is a float NaN: a missing number is <NA> (a NaN tool's NaN reads as a finding).
+    for column in table.columns:
+        assert not any(isinstance(value, float) and math.isnan(value) for value in table[column].tolist()), column
+    producer = table[table["status"] == "producer"].iloc[0]
+    assert producer["tensor"] == "loss" and producer[numbers].isna().all()  # (no finite value to measure)
+    legend = table.attrs["legend"]
+    assert "Empty cells are missing numbers (report.table's <NA>), not NaN values" in legend
+    assert "empty where the tensor held no finite value to measure" in legend
+    unprobed = table[table["min"].notna() & table["mean"].isna()]
+    if options:  # mode="full" read the other calls for min and max only: said, as not measured
+        assert len(unprobed) and "empty mean and std were not measured" in legend
+        assert "empty mean and std were not measured" in report.to_html()
+    else:
+        assert unprobed.empty and "mean and std were not measured" not in legend
+    html, text = report.to_html(), report.to_text()
+    assert ">nan<" not in html.lower() and "<NA>" not in html.split("Layers (")[1].split("</table>")[0]
+    assert "Empty cells are missing numbers" in html and "Empty cells are missing numbers" in text
+    assert "min, max and absmax are empty where the tensor held no finite value" in text  # (text shows no mean)
+
+
+def test_a_table_with_every_number_measured_says_nothing_of_missing_cells() -> None:
+    from nan_magic.render.layer_tree import missing_note
+
+    report = _log_of_outputs({})
+    measured = [layer for layer in report.layers if layer.stats is not None and layer.stats.min is not None]
+    assert measured and missing_note(measured) == ""
