@@ -211,3 +211,59 @@ def test_a_table_with_every_number_measured_says_nothing_of_missing_cells() -> N
     report = _log_of_outputs({})
     measured = [layer for layer in report.layers if layer.stats is not None and layer.stats.min is not None]
     assert measured and missing_note(measured) == ""
+
+
+# ---------------------------------------------------------------- a divisor gathered from a schedule
+
+
+class _ScheduleDivided(nn.Module):
+    """``h / alphas_cumprod[t]``: a diffusion schedule whose first entry is 0, gathered by timestep."""
+
+    def __init__(self, first: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("alphas_cumprod", torch.cat([torch.full((1,), first), torch.linspace(0.9, 0.1, 9)]))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        a = self.alphas_cumprod[t].view(-1, 1)
+        return self.lin(x) / a  # producer: schedule divisor
+
+
+def _schedule_run(first: float) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], list[float]]]:
+    torch.manual_seed(0)
+    model = _ScheduleDivided(first)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(6, 8), torch.tensor(t)) for t in ([4, 2, 9, 1, 3, 5], [3, 0, 5, 2, 7, 1])]
+
+    def run() -> list[float]:
+        losses = []
+        for x, t in batches:
+            loss = model(x, t).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    return model, opt, run
+
+
+@pytest.mark.parametrize("options", [{}, {"ops": True}], ids=["default", "ops"])
+def test_a_divisor_gathered_from_a_schedule_is_not_called_a_per_row_reduction(options: dict[str, object]) -> None:
+    model, opt, run = _schedule_run(0.0)
+    report = raised(run, model, opt, **options)
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "", 1, "aten.div.Tensor")
+    assert report.cause is not None and report.cause.label == "division-by-zero"
+    hint = report.cause.hint
+    assert "reduction" not in hint and "held 1 zero of 6, one value per row: 0 for 1 row)" in hint
+    assert "if it is read from a table (a schedule's entry by timestep, alphas_cumprod[t]), the table holds a 0" in hint
+
+
+def test_a_schedule_without_a_zero_entry_is_silent_and_bit_identical() -> None:
+    model, opt, run = _schedule_run(0.99)
+    with nan_magic.watch(model, opt) as watch:
+        watched = run()
+    assert watch.report is None
+    plain_model, _opt, plain_run = _schedule_run(0.99)
+    assert plain_run() == watched
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters(), strict=True))

@@ -1,8 +1,7 @@
 """The sentences of a forward op's cause: a domain error (log, sqrt, pow), a division, an empty mean, a softmax.
 
-Each reading is written from the cause's event (the op, its inputs by role,
-the counts; render/words/causes/phrases.py) and the numbers its rule in
-explain/forward.py or explain/attention.py gave.
+Each reading is written from the cause's event (the op, its inputs by role, the counts;
+render/words/causes/phrases.py) and the numbers its rule in explain/forward.py or explain/attention.py gave.
 """
 
 from __future__ import annotations
@@ -168,9 +167,10 @@ def _division_hint(event: Report, cause: Cause) -> str:
     constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
     zeros = divisor_phrase(divisor, _divisor_said(event, cause.fact("divisor") or "other"))
     return (
-        f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
-        f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
-        f"x / norm.clamp_min({suggested_eps(event)})); if it is a count, clamp it to >= 1"
+        f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}{constant}; if the "
+        f"divisor is a std, variance or norm add eps (x / (std + 1e-5), x / norm.clamp_min({suggested_eps(event)})); "
+        "if it is a count, clamp it to >= 1; if it is read from a table (a schedule's entry by timestep, "
+        "alphas_cumprod[t]), the table holds a 0: fix that entry or the index"
     )
 
 
