@@ -267,3 +267,79 @@ def test_a_schedule_without_a_zero_entry_is_silent_and_bit_identical() -> None:
     plain_model, _opt, plain_run = _schedule_run(0.99)
     assert plain_run() == watched
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters(), strict=True))
+
+
+# ---------------------------------------------------------------- a finite step far off the healthy scale
+
+
+def test_an_eps_under_a_negative_power_is_finite_but_off_scale_not_verified() -> None:
+    # GCN's deg.pow(-0.5) at an isolated node, read by the root term: the clamp makes (0 + eps) ** -0.5 = 2896 where
+    # the op's other values are 0.707, and the node's output about 1e6: finite, not a fix.
+    from contract.hunt_s41a import _gcn
+
+    scenario = _gcn(True, False)
+    report = raised(scenario.run, *scenario.targets)
+    assert (report.phase, report.module, report.step, report.op) == ("forward", "conv", 2, "aten.pow.Tensor_Scalar")
+    trial = next(trial for trial in report.fixes if trial.kind == "eps")
+    assert trial.finite is True
+    off = dict((what, (value, healthy)) for what, value, healthy in trial.fact("off_scale"))
+    assert off["op"][0] == pytest.approx(torch.finfo(torch.float32).eps ** -0.5) and off["op"][1] == pytest.approx(
+        0.5 ** 0.5)
+    assert off["outputs"][0] > 1e5 and off["outputs"][1] < 10
+    text = report.to_text()
+    assert "0 of 1 verified, 1 finite but off the healthy scale" in text
+    assert ("-> finite but off the healthy scale, not verified as a fix: the step came out finite" in text)
+    assert "but the remedied pow gives 2.9e3 where it was changed, where its other values are at most 0.707" in text
+    assert "suggested edit" not in text.split("Fixes tried")[1].split("\n\n")[0]
+    html = report.to_html()
+    assert 'class="nm-unverified"' in html and 'class="nm-verified"' not in html
+    # The cause no longer offers the eps that the trial found off scale; it says what eps ** p is.
+    assert report.cause is not None and "(x + 1e-12) ** p" not in report.cause.hint
+    assert "an eps added to the base only moves it to 1e6 (eps 1e-12)" in report.cause.hint
+    assert "x.pow(p).masked_fill(x == 0, 0)" in report.cause.hint
+
+
+class _LogOfCounts(nn.Module):
+    """``log(counts / total)`` of a histogram with an empty bin: log(0) = -inf; eps makes it log(1.2e-7) = -15.9,
+    in scale with the other log-frequencies (about -1 to -3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.lin(x), -1) * (x > -9).float()
+        return torch.log(p)  # producer: log of a frequency
+
+
+def test_an_eps_that_keeps_the_step_in_scale_is_still_verified() -> None:
+    torch.manual_seed(0)
+    model = _LogOfCounts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.randn(3, 4), torch.randn(3, 4), torch.tensor([[0.1, -10.0, 0.3, 0.2], [0.5, 0.1, 0.2, 0.3],
+                                                                    [0.2, 0.3, 0.1, 0.4]])]
+
+    def run() -> None:
+        for x in batches:
+            loss = model(x).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, opt)
+    assert (report.op, report.step) == ("aten.log.default", 2)
+    trial = next(trial for trial in report.fixes if trial.kind == "eps")
+    assert trial.finite is True and trial.fact("off_scale") is None
+    assert "-> verified: the step came out finite" in report.to_text()
+
+
+def test_a_remedy_off_scale_is_ranked_below_one_finite_and_in_scale() -> None:
+    from nan_magic.fixes.trial_facts import verified_first
+    from nan_magic.records import FixTrial
+
+    off = FixTrial("eps", finite=True, facts=(("off_scale", (("op", 2896.0, 0.7),)),))
+    hidden = FixTrial("mask", finite=True, facts=(("moved_all", 4),))
+    fixed = FixTrial("float32", finite=True)
+    failed = FixTrial("stable", finite=False)
+    assert [trial.kind for trial in verified_first([off, failed, hidden, fixed])] == [
+        "float32", "mask", "eps", "stable"]

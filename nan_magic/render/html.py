@@ -143,7 +143,7 @@ def fixes_html(report: Report) -> str:
         return ""
     items = []
     for trial, text, edit in fix_lines(report):
-        mark = "nm-verified" if trial.finite else "nm-unverified"
+        mark = "nm-verified" if trial.finite and not trial.fact("off_scale") else "nm-unverified"
         suggestion = f'<br/>suggested edit (not applied): <code>{escape(edit)}</code>' if edit else ""
         items.append(f'<li class="{mark}">{escape(text)}{suggestion}</li>')
     return f'<div class="nm-fixes"><h4>{escape(fixes_title(report))}</h4><ul>{"".join(items)}</ul></div>'

@@ -112,13 +112,13 @@ def _pow_negative_hint(event: Report, cause: Cause) -> str:
     )
 
 
-def _pow_zero_hint(event: Report, cause: Cause) -> str:
-    return (
-        f"pow raised {counted(cause.fact('zeros'), 'zero')} of `self` of {event.op} in {where(event)} to a "
-        "negative power"
-        f"{number_phrase(event, 'exponent')}, giving {event.posinf + event.neginf} inf: add eps to the base "
-        "((x + 1e-12) ** p)"
-    )
+def _pow_zero_hint(event: Report, cause: Cause) -> str:  # (eps ** p is no fix: 1e6 for p = -0.5, fixes/scale_check)
+    p = dict(event.numbers).get("exponent")
+    moved = f"{fmt(1e-12 ** p)} (eps 1e-12)" if isinstance(p, (int, float)) and p < 0 else "eps ** p, a huge value"
+    return (f"pow raised {counted(cause.fact('zeros'), 'zero')} of `self` of {event.op} in {where(event)} to a "
+            f"negative power{number_phrase(event, 'exponent')}, giving {event.posinf + event.neginf} inf: an eps added "
+            f"to the base only moves it to {moved}; where a zero base means none (an isolated node's degree, an empty "
+            "count), set its result to 0: x.pow(p).masked_fill(x == 0, 0), as PyG's gcn_norm does")
 
 
 def _pow_unknown_hint(event: Report, cause: Cause) -> str:
