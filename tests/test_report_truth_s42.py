@@ -343,3 +343,31 @@ def test_a_remedy_off_scale_is_ranked_below_one_finite_and_in_scale() -> None:
     failed = FixTrial("stable", finite=False)
     assert [trial.kind for trial in verified_first([off, failed, hidden, fixed])] == [
         "float32", "mask", "eps", "stable"]
+
+
+def test_a_tenth_of_a_rate_too_high_that_leaves_a_huge_update_is_not_verified() -> None:
+    # lr = 1e37 with a gradient of 100: the step overflows; at a tenth it is finite but moves the weight by 1e38.
+    model = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run() -> None:
+        for step in range(4):
+            if step == 2:
+                opt.param_groups[0]["lr"] = 1e37
+            loss = model(torch.ones(1, 1)).sum() * 100
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, opt, keep_last_good=True)
+    assert report.cause is not None and (report.cause.label, report.step) == ("learning-rate-too-high", 2)
+    trial = next(trial for trial in report.fixes if trial.kind == "lr")
+    assert trial.finite is True
+    [(what, update, before)] = trial.fact("off_scale")
+    assert what == "update" and update == pytest.approx(1e38, rel=1e-3) and before == pytest.approx(1.0)
+    text = report.to_text()
+    assert "0 of 1 verified, 1 finite but off the healthy scale" in text
+    assert "it moves a parameter by 1e38, where the parameters were at most 1 before it" in text
+    assert "a tenth is not enough: the rate is still far too high" in text

@@ -64,7 +64,8 @@ def milliseconds(seconds: Any) -> str:
 _OFF_SCALE = {"outputs": "the model's outputs where the step had gone non-finite reach {value}, where its finite "
                          "ones and the last healthy step's are at most {healthy}",
               "loss": "its loss is {value}, where the last healthy step's was {healthy}",
-              "gradient norm": "its gradient norm is {value}, where the last healthy step's was {healthy}"}
+              "gradient norm": "its gradient norm is {value}, where the last healthy step's was {healthy}",
+              "update": "it moves a parameter by {value}, where the parameters were at most {healthy} before it"}
 
 
 def off_scale_words(off: tuple[tuple[str, float, float], ...], function: str | None, made: str, kind: str) -> str:
@@ -76,5 +77,6 @@ def off_scale_words(off: tuple[tuple[str, float, float], ...], function: str | N
                         f"values are at most {fmt(healthy)}")
         else:
             said.append(_OFF_SCALE[what].format(value=fmt(value), healthy=fmt(healthy)))
-    why = "look at why the operand is out of the domain there" if kind == "eps" else "look at why they are that large"
+    why = {"eps": "look at why the operand is out of the domain there",
+           "lr": "a tenth is not enough: the rate is still far too high"}.get(kind, "look at why they are that large")
     return f"but {'; '.join(said)}: finite, yet far off the healthy scale (the {made} is moved, not fixed: {why})"
