@@ -179,6 +179,11 @@ CAUSES = {
     "optimizer-lr-set": (Cause("nonfinite-number", "optimizer-lr-set",
                                (*_STEP[:6], ("lr", float("inf")), *_STEP[7:], ("name", "lr"), ("line", 17))),
                          "comes from lr, set at line 17"),
+    "optimizer-lr-scheduled": (Cause("nonfinite-number", "optimizer-lr-scheduled", (
+        *_STEP[:6], ("lr", float("inf")), *_STEP[7:], ("scheduler", "LambdaLR"), ("last_epoch", 3),
+        ("initial_lr", 0.1))), "written by the LambdaLR scheduler's step (last_epoch 3; initial_lr 0.1)"),
+    "optimizer-lr-nonfinite": (Cause("nonfinite-number", "optimizer-lr-nonfinite",
+                                     (*_STEP[:6], ("lr", float("inf")), *_STEP[7:])), "lr = inf is infinite"),
     "optimizer-state-overflow": (Cause("half-precision-overflow", "optimizer-state-overflow", _STEP), "max 65504"),
     "optimizer-state-overflow-wide": (Cause("overflow", "optimizer-state-overflow-wide", _STEP),
                                       "its parameter stayed finite"),

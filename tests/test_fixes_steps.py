@@ -322,16 +322,16 @@ def _optimizer_event(optimizer: str, scale: float = 1.0, **settings: float) -> R
 
 @pytest.mark.parametrize("lr", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_learning_rate_is_not_tried_at_a_tenth_and_its_cause_says_every_update(lr: float) -> None:
+    # Its cause is the number (nonfinite-number), not a rate too high; a tenth of it is no trial but a note.
     report = _optimizer_event("SGD", lr=lr)
     assert (report.phase, report.module, report.step, report.optimizer) == ("optimizer", "0", 2, "SGD")
-    trial = _trial(report, "lr")
-    assert trial.finite is None and trial.untried == f"the learning rate is {lr}: a tenth of it is too"
+    assert report.fixes == () and report.cause is not None and report.cause.label == "nonfinite-number"
     text = report.to_text()
-    assert (f"lr: the SGD step redone at a tenth of its learning rate -> not tried: the learning rate is {lr}: "
-            "a tenth of it is too") in text
-    kind = "NaN" if lr != lr else "infinite"
-    assert f"its learning rate lr = {lr} is {kind}, so every update lr · g is non-finite;" in text
-    assert "None" not in text.split("Fixes tried")[1].split("\n\n")[0]
+    assert (f"no fix was tried: the learning rate is {lr}, and a lower one (a tenth of it) is {lr} too; the remedy "
+            "is a finite rate where it is set") in text
+    kind = "not a number" if lr != lr else "infinite"
+    assert f"its learning rate lr = {lr} is {kind}, not a rate too high, so every update lr · g is non-finite" in text
+    assert "learning-rate-too-high" not in text and "usual range" not in text
 
 
 def test_an_eps_that_could_not_be_tried_says_what_it_would_change() -> None:

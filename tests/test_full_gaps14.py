@@ -69,7 +69,11 @@ def test_full_and_ops_try_an_optimizer_steps_remedy_which_needs_no_step_replay(t
     trials = [(trial.kind, trial.finite, trial.fact("new_lr"), trial.untried) for trial in report.fixes]
     assert trials == [(trial.kind, trial.finite, trial.fact("new_lr"), trial.untried) for trial in default.fixes]
     if not timing:
-        assert trials == [("lr", True, 10.0, None)] and "1 of 1 verified" in report.to_text()
+        # Finite at a tenth, but the update of a gradient of 1e3 at lr 10 moves the weights (about 0.5) by 1e4: off the
+        # healthy scale, not counted verified (hunt-c-s42).
+        assert trials == [("lr", True, 10.0, None)] and "0 of 1 verified, 1 finite but off the healthy scale" in (
+            report.to_text())
+        assert [what for what, *_sizes in report.fixes[0].fact("off_scale")] == ["update"]
     else:
         assert trials[0][:2] == ("lr", None) and "does not reproduce it" in (trials[0][3] or "")
     assert not any(note.startswith("no fix was tried") for note in report.notes), report.notes

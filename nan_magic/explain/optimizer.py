@@ -1,14 +1,17 @@
 """The diagnosis of an optimizer step that made a parameter or its state non-finite from finite gradients.
 
-Three readings, from the facts the watch records about the step
+Four readings, from the facts the watch records about the step
 (``optimizer``, ``optimizer_lr``, ``optimizer_eps``, the parameter's dtype):
-a learning rate whose update alone passes the dtype's max; an ``eps`` that is
+a learning rate that is NaN or infinite (the number itself, set by the loop's line or a scheduler's step, or
+where unknown); a finite learning rate whose update alone passes the dtype's max; an ``eps`` that is
 0 or rounds to 0 in the parameter's dtype, so that an Adam-like step divides
 0 by 0 where a gradient is 0; a half-precision update or state that
 overflowed.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -42,11 +45,21 @@ def optimizer_cause(report: Report) -> Cause:
     if set_at is not None:  # (a rate the loop computed in Python, or kept as a tensor: not finite, not too high)
         return Cause("nonfinite-number", "optimizer-lr-set",
                      (*facts, ("name", set_at.fact("name")), ("line", set_at.fact("line"))))
-    if lr is not None and not lr < limit / _LR_MARGIN and not any(
-            note.kind == "lr-made-by-loop" for note in report.note_facts):
+    made = any(note.kind == "lr-made-by-loop" for note in report.note_facts)
+    if lr is not None and not math.isfinite(lr) and not made:
+        # A NaN or infinite rate is the number itself, no rate too high: every update lr · g is non-finite whatever
+        # the gradient, and a lower rate (a tenth of NaN) is no remedy. Where it was set: a scheduler's step.
+        scheduled = next((note for note in report.note_facts if note.kind == "lr-set-by-scheduler"), None)
+        if scheduled is not None:
+            return Cause("nonfinite-number", "optimizer-lr-scheduled", (*facts, *(
+                (name, scheduled.fact(name)) for name in ("scheduler", "last_epoch", "initial_lr"))))
+        stored = next((note for note in report.note_facts if note.kind == "lr-stored-by-loop"), None)
+        return Cause("nonfinite-number", "optimizer-lr-nonfinite", (*facts, *(
+            (("stored_line", stored.fact("line")), ("stored_text", stored.fact("text"))) if stored else ())))
+    if lr is not None and not lr < limit / _LR_MARGIN and not made:
         # (Not where the loop's own op made a NaN or infinite rate, named at its line: the op says why.)
         # Adam-like updates are about ±lr (up to a few tens of lr), SGD's lr·grad: with lr past the max, or
-        # within _LR_MARGIN of it (or inf, NaN: a schedule gone wrong), an update of ordinary size overflows,
+        # within _LR_MARGIN of it, an update of ordinary size overflows,
         # whatever the implementation (fused, foreach, for-loop).
         return Cause("learning-rate-too-high", "optimizer-lr", (*facts, ("margin", _LR_MARGIN)))
     infinite = report.posinf + report.neginf

@@ -12,6 +12,8 @@ why: the note says which part of the table did not fit.
 
 from __future__ import annotations
 
+import math
+
 from nan_magic.records import Note, Phase, Report, TensorRole
 from nan_magic.tensor_refs import op_function
 
@@ -30,6 +32,10 @@ def none_fit(report: Report) -> Note | None:
         # An optimizer state that squares the gradient overflowed (a diffusion loss of 1e27 at step 0): its cause
         # names clipping, which no trial makes; without the note the report had no word of fixes at all.
         return Note.of("fixes-optimizer-overflow", optimizer=report.optimizer or "optimizer")
+    lr = report.optimizer_lr
+    if report.phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr) and not any(
+            note.kind == "lr-made-by-loop" for note in report.note_facts):
+        return Note.of("fixes-lr-nonfinite", lr=lr)  # (its cause, nonfinite-number, has no trial: say so)
     if cause not in REMEDIED:
         return None
     if any(note.kind == "lr-made-by-loop" for note in report.note_facts):  # (its op ran in the loop, not the step)

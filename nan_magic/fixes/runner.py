@@ -49,7 +49,7 @@ from nan_magic.fixes.remedies.scale import collapsed_scale, scaled, try_scales
 from nan_magic.fixes.remedies.stable import StableFix, changes_value, declined, stable_replay
 from nan_magic.fixes.site import InRecordedCode, Remedy, Site
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
-from nan_magic.fixes.trial_facts import at_producer, output_change, remedy_facts, step_facts
+from nan_magic.fixes.trial_facts import at_producer, output_change, remedy_facts, step_facts, verified_first
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.tiered.root_calls import RootCall, replay_target
 from nan_magic.localize.replay.tiered.step import StepReplays
@@ -343,7 +343,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
         skipped = _skip_batch(report, step)
         site = producer_site(report)
         if data_code is not None and report.op is not None and site.function in FUNCTIONS:
-            return _verified_first((*skipped, _data_code_trial(report, site, step, data_code)))
+            return verified_first((*skipped, _data_code_trial(report, site, step, data_code)))
         return skipped
     site = producer_site(report)
     old_scale = collapsed_scale(report)
@@ -381,13 +381,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
             continue
         trials.append(run())
         spent += trials[-1].seconds
-    return _verified_first(trials)
-
-
-def _verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
-    order = {True: 0, False: 1, None: 2}  # a verified remedy that hid the NaN (moved_all) after the others
-    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(
-        trial.fact("moved_all") or trial.fact("no_gradient") or trial.fact("over_eps")))))
+    return verified_first(trials)
 
 
 def _data_code_trial(report: Report, site: Site, step: FailingStep, records: RegionRecords) -> FixTrial:
@@ -401,7 +395,7 @@ def _data_code_trial(report: Report, site: Site, step: FailingStep, records: Reg
     if not at_line.applied:
         return at_producer("eps", report, facts=named, untried="it found nothing to change at the producer's line")
     outcome = replay_step(remade, None, None)
-    return at_producer("eps", report, facts=remedy_facts("eps", remedy, report, remade, outcome),
+    return at_producer("eps", report, facts=remedy_facts("eps", remedy, report, remade, outcome, None),
                        finite=outcome.failed is None, loss=outcome.loss, seconds=outcome.seconds,
                        failed=outcome.failed, error=outcome.error)
 
@@ -417,7 +411,7 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
     outcome, remedy, every = stable_replay(step, site, remedy)  # (replay_at_line; an exp first as a softplus)
     if (wider := at_every_use(step, dataclasses.replace(site, module="") if every else site, remedy, outcome)):
         outcome, remedy = wider  # (the operand clamped at its other uses on the line too: remedies/every_use.py)
-    facts = remedy_facts(kind, remedy, report, step, outcome) + ((("modules", "every"),) if every else ())
+    facts = remedy_facts(kind, remedy, report, step, outcome, base) + ((("modules", "every"),) if every else ())
     if not outcome.applied or declined(remedy):
         untried = declined(remedy) or "it found nothing to change at the producer's line"
         if site.module is None and not isinstance(step.loss_code, LossCode):
@@ -454,7 +448,7 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
     built = next((source for scaler in step.scalers if (source := scaler_source(scaler)) is not None), None)
     if built is not None:  # the edit goes at the line that built the scaler (patches/scaler.py)
         facts.update(scaler_file=built.filename, scaler_lineno=built.lineno, scaler_line=built.line)
-    return at_producer("scale", report, facts=(*step_facts(step, outcome), *facts.items()),
+    return at_producer("scale", report, facts=(*step_facts(step, outcome, report), *facts.items()),
                        finite=outcome.failed is None, loss=outcome.loss, seconds=seconds, failed=outcome.failed,
                        error=outcome.error)
 
@@ -495,6 +489,7 @@ def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
                                                       "the batch's first dimension, holds the non-finite value"),)
     smaller, dropped, size = left
     outcome = replay_step(smaller, None, None)
-    facts = (*step_facts(smaller, outcome), ("dropped", dropped[:16]), ("left_out", len(dropped)), ("batch", size))
+    facts = (*step_facts(smaller, outcome, report), ("dropped", dropped[:16]), ("left_out", len(dropped)),
+             ("batch", size))
     return (at_producer("skip-batch", report, facts=facts, finite=outcome.failed is None, loss=outcome.loss,
                     seconds=outcome.seconds, failed=outcome.failed, error=outcome.error),)

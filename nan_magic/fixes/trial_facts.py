@@ -8,6 +8,7 @@ largest change of an output against the unremedied replay's. Split from runner.p
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,11 +20,12 @@ from nan_magic.fixes.remedies.every_use import EveryUse
 from nan_magic.fixes.remedies.mask import MaskFix
 from nan_magic.fixes.remedies.precision import Float32
 from nan_magic.fixes.remedies.stable import StableFix
+from nan_magic.fixes.scale_check import off_scale
 from nan_magic.fixes.site import Remedy
 from nan_magic.fixes.step import FailingStep, StepOutcome, forward_only, held_gradients
 from nan_magic.records import FixTrial, Report
 
-__all__ = ["at_producer", "output_change", "remedy_facts", "step_facts"]
+__all__ = ["at_producer", "output_change", "remedy_facts", "step_facts", "verified_first"]
 
 
 #: How many times the largest other quotient (or 1) a quotient over a clamped denominator must be to outweigh them.
@@ -35,10 +37,14 @@ def at_producer(kind: str, report: Report, **outcome: Any) -> FixTrial:
     return FixTrial(kind, report.op, report.module, report.source, **outcome)
 
 
-def step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, object], ...]:
-    """Whether the optimizer step was replayed, where the backward started, where the loss came from or why none."""
+def step_facts(step: FailingStep, outcome: StepOutcome, report: Report | None = None, base: StepOutcome | None = None,
+               op_sizes: tuple[float, float] | None = None) -> tuple[tuple[str, object], ...]:
+    """Whether the optimizer step was replayed, where the backward started, where the loss came from or why none;
+    given the ``report`` (and the unremedied replay ``base``), what of a finite step is off the healthy scale."""
     facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
                                              ("backward_from", _backward_from(step, outcome)))
+    if report is not None and (off := off_scale(report, outcome, base, op_sizes)):
+        facts += (("off_scale", off),)
     if outcome.loss_from is not None:
         facts += (("loss_from", outcome.loss_from),)
         if outcome.stand_in is not None and outcome.failed in AFTER_THE_LOSS:
@@ -50,10 +56,11 @@ def step_facts(step: FailingStep, outcome: StepOutcome) -> tuple[tuple[str, obje
     return facts
 
 
-def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome
-                 ) -> tuple[tuple[str, object], ...]:
+def remedy_facts(kind: str, remedy: Remedy, report: Report, step: FailingStep, outcome: StepOutcome,
+                 base: StepOutcome | None = None) -> tuple[tuple[str, object], ...]:
     """:func:`step_facts`, and the remedy's own: the dtype it upcast, the function and eps it changed, its form."""
-    facts: list[tuple[str, object]] = list(step_facts(step, outcome))
+    sizes = remedy.op_sizes if isinstance(remedy, DomainFix) else None
+    facts: list[tuple[str, object]] = list(step_facts(step, outcome, report, base, sizes))
     if kind == "float32":
         facts += [("dtype", report.dtype), ("autocast", tuple(device for device, _ in step.root.autocast or ()))]
         if isinstance(remedy, Float32) and remedy.numbers:
@@ -118,3 +125,11 @@ def output_change(base: StepOutcome, outcome: StepOutcome) -> float | None:
         value = float(difference.max()) if difference.numel() else 0.0
         largest = value if largest is None or math.isnan(value) or value > largest else largest
     return largest
+
+
+def verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
+    """The trials in the order shown: finite ones first, and of those, ones that hid the NaN (moved_all, no gradient,
+    a quotient over eps) after the rest, and ones off the healthy scale (scale_check.py) after those."""
+    order = {True: 0, False: 1, None: 2}
+    return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all") or trial.fact(
+        "no_gradient") or trial.fact("over_eps")) + 2 * bool(trial.fact("off_scale")))))

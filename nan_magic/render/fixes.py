@@ -11,7 +11,7 @@ from nan_magic.records import FixTrial, Report
 from nan_magic.render.edits import suggested_edit
 from nan_magic.render.words.causes.phrases import fmt
 from nan_magic.render.words.counted import counted, ordinal
-from nan_magic.render.words.fix_verdicts import diverged_words, frozen_words, milliseconds
+from nan_magic.render.words.fix_verdicts import diverged_words, frozen_words, milliseconds, off_scale_words
 
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title"]
 
@@ -148,6 +148,8 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     parts = ["verified: the call's output came out finite" if trial.fact("backward_from") == "no-grad"
              else "verified: the call's output and its step's loss came out finite"
              if trial.fact("backward_from") == "no-grad-loss" else "verified: the step came out finite"]
+    if trial.fact("off_scale"):  # (finite is not fixed: scale_check.py)
+        parts[0] = parts[0].replace("verified: ", "finite but off the healthy scale, not verified as a fix: ")
     if trial.loss is not None:
         last = " (the last step's loss code and targets on this step's outputs)"
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
@@ -173,6 +175,10 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
                      f"elsewhere): a non-zero value over 0 has no eps that fixes it, and values that large can "
                      f"outweigh the rest of the loss and its gradient (the {made} may be hidden, not fixed: look at "
                      "why the denominator is 0 there)")
+    # (A quotient over eps is said with its own words below; the rest of what is off scale here.)
+    off = [entry for entry in trial.fact("off_scale") or () if not (entry[0] == "op" and trial.fact("over_eps"))]
+    if off:
+        parts.append(off_scale_words(tuple(off), trial.fact("function") or trial.op, made, trial.kind))
     if trial.fact("inside"):
         many = trial.fact("inside") != 1
         parts.append(f"and it also moved {counted(trial.fact('inside'), 'value')} that {'were' if many else 'was'} "
@@ -202,20 +208,22 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
         except Exception:  # (a sentence never costs the user the report: the verdict alone)
             said = f"-> {'verified: the step came out finite' if trial.finite else 'not a fix'}"
         text = f"{trial.kind}: {said} ({milliseconds(trial.seconds)} ms)"
-        edit = suggested_edit(trial) if trial.finite else None
+        edit = suggested_edit(trial) if trial.finite and not trial.fact("off_scale") else None
         lines.append((trial, text, edit))
     return lines
 
 
 def fixes_title(report: Report) -> str:
-    verified = sum(1 for trial in report.fixes if trial.finite)
+    verified = sum(1 for trial in report.fixes if trial.finite and not trial.fact("off_scale"))
+    off = sum(1 for trial in report.fixes if trial.finite and trial.fact("off_scale"))
     # (a later model call's event, a micro-batch's, a siamese pair's 2nd or another model's: the trials replay that
     # call alone, and step on its gradients alone)
     later = report.model_call if isinstance(report.model_call, int) else 0
     alone = f"'s {ordinal(later)} model call alone" if later else ""
     skipped = "the step's other model calls were not replayed; " if later else ""
     return (f"Fixes tried on a replay of step {report.step}{alone} ({skipped}on copies: your model, optimizer and "
-            f"data are untouched): {verified} of {len(report.fixes)} verified")
+            f"data are untouched): {verified} of {len(report.fixes)} verified"
+            f"{f', {off} finite but off the healthy scale' if off else ''}")
 
 
 def fixes_text(report: Report) -> str:

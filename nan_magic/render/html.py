@@ -33,9 +33,9 @@ from nan_magic.render.common import (
 )
 from nan_magic.render.fixes import fix_lines, fixes_title
 from nan_magic.render.history_layers import layer_magnitude_lines
-from nan_magic.render.layer_tree import layers_count, unmeasured_note
+from nan_magic.render.layer_tree import layers_count, missing_note, unmeasured_note
 from nan_magic.render.plots import histogram_png, history_png
-from nan_magic.render.table import MOMENTS_NOTE, TABLE_CSS, layers_html
+from nan_magic.render.table import TABLE_CSS, layers_html
 from nan_magic.render.words.counted import counted
 
 #: Rows of the per-layer table in the static HTML.
@@ -143,7 +143,7 @@ def fixes_html(report: Report) -> str:
         return ""
     items = []
     for trial, text, edit in fix_lines(report):
-        mark = "nm-verified" if trial.finite else "nm-unverified"
+        mark = "nm-verified" if trial.finite and not trial.fact("off_scale") else "nm-unverified"
         suggestion = f'<br/>suggested edit (not applied): <code>{escape(edit)}</code>' if edit else ""
         items.append(f'<li class="{mark}">{escape(text)}{suggestion}</li>')
     return f'<div class="nm-fixes"><h4>{escape(fixes_title(report))}</h4><ul>{"".join(items)}</ul></div>'
@@ -212,10 +212,9 @@ def layers_section(layers: tuple[LayerCall, ...], dropped: int) -> tuple[str, st
 
 
 def moments_note(layers: tuple[LayerCall, ...]) -> str:
-    """Why mean and std are missing or blank: said wherever the table is shown."""
-    if all(layer.stats is None or layer.stats.mean is not None for layer in layers):
-        return ""
-    return escape(MOMENTS_NOTE) + "."
+    """What the table's empty number cells mean (mean and std not measured, no finite value): said wherever the
+    table is shown."""
+    return escape(missing_note(layers))
 
 
 def histograms_section(report: Report) -> tuple[str, str]:

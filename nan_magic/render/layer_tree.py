@@ -9,11 +9,13 @@ from nan_magic.render.words.counted import counted
 
 __all__ = [
     "CONTAINS_PRODUCER",
+    "MOMENTS_NOTE",
     "UNMEASURED_MEANING",
     "contains",
     "depth",
     "inside",
     "layers_count",
+    "missing_note",
     "row_labels",
     "shown_statuses",
     "unmeasured_note",
@@ -85,3 +87,24 @@ def unmeasured_note(layers: Sequence[LayerCall]) -> str:
     meanings = [f"{status}: {meaning}" for status, meaning in UNMEASURED_MEANING.items()
                 if any(layer.stats is None and text == status for layer, text in zip(layers, shown))]
     return "Rows without numbers, " + "; ".join(meanings) + "." if meanings else ""
+
+
+#: Said under a table whose rows have no mean and std, or only some.
+MOMENTS_NOTE = (
+    "mean and std are computed only for tensors still alive when the report was built "
+    "(the producer's, the loss); every other call was read once, for its min and max"
+)
+
+
+def missing_note(layers: Sequence[LayerCall], moments: bool = True) -> str:
+    """What an empty number cell of a measured row means (a row without numbers: :func:`unmeasured_note`); ``""``
+    where none is empty. ``moments``: the table shows mean and std (the text table does not)."""
+    parts = []
+    if any(layer.stats is not None and layer.stats.min is None for layer in layers):
+        parts.append("min, max" + (", mean, std" if moments else "") + " and absmax are empty where the tensor held "
+                     "no finite value to measure")
+    if moments and any(layer.stats is not None and layer.stats.min is not None and layer.stats.mean is None
+                       for layer in layers):
+        parts.append(f"empty mean and std were not measured: {MOMENTS_NOTE}")
+    return ("Empty cells are missing numbers (report.table's <NA>), not NaN values: " + "; ".join(parts) + ".") \
+        if parts else ""

@@ -17,7 +17,14 @@ from nan_magic.render.common import (
     fmt_shape,
     in_call_order,
 )
-from nan_magic.render.layer_tree import contains, depth, row_labels, shown_statuses
+from nan_magic.render.layer_tree import (
+    contains,
+    depth,
+    missing_note,
+    row_labels,
+    shown_statuses,
+    unmeasured_note,
+)
 from nan_magic.render.words.names import row_tensor
 
 #: CSS class of every cell of a row, by the row's role. Tests and the
@@ -72,10 +79,15 @@ def layer_table(report: Report) -> pd.DataFrame:
         its status (``running``, ``not reached``, ``not called``,
         ``unchecked``, ``not measured``) and no numbers. ``module``
         is the qualified name as recorded (``""`` root, ``None`` outside any
-        module); statistics cover finite elements and are NaN where not
-        computed; counts are nullable integers, ``<NA>`` where unknown.
+        module); statistics cover finite elements and are nullable floats,
+        ``<NA>`` where not measured (never NaN, which in a NaN tool's table
+        would read as a finding); counts are nullable integers, ``<NA>`` where
+        unknown. ``frame.attrs["legend"]`` says what the missing cells mean.
     """
-    return layers_frame(in_call_order(report.layers))
+    layers = in_call_order(report.layers)
+    frame = layers_frame(layers)
+    frame.attrs["legend"] = " ".join(part for part in (missing_note(layers), unmeasured_note(layers)) if part)
+    return frame
 
 
 def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
@@ -84,10 +96,14 @@ def layers_frame(layers: Sequence[LayerCall]) -> pd.DataFrame:
     frame = pd.DataFrame.from_records(records, columns=list(COLUMNS))
     # Object columns keep None apart from "" (outside any module vs the root);
     # pandas 3 would infer a string dtype and turn None into NaN.
-    for column in ("module", "type"):
-        frame[column] = pd.Series([record[column] for record in records], dtype=object)
+    for column in ("module", "type", "shape"):  # (a shape not measured: None, not from_records' NaN)
+        frame[column] = pd.Series([record.get(column) for record in records], dtype=object)
+    for column in ("phase", "tensor", "dtype", "status"):
+        # (pandas 3 infers a string dtype whose missing value is NaN: a row not measured read "tensor NaN")
+        frame[column] = pd.array([record.get(column) for record in records], dtype="string")
     for column in ("min", "max", "mean", "std", "absmax"):
-        frame[column] = frame[column].astype("float64")
+        # (Nullable: a statistic not measured is <NA>, never a NaN that reads as a non-finite value measured.)
+        frame[column] = pd.array([record.get(column) for record in records], dtype="Float64")
     for column in ("nan", "+inf", "-inf"):
         frame[column] = frame[column].astype("Int64")
     frame["call"] = frame["call"].astype("Int64")
@@ -251,10 +267,3 @@ def layers_html(layers: Sequence[LayerCall], among: Sequence[LayerCall] | None =
     html = style_layers(layers, among).to_html()
     html = re.sub(r'class="data row\d+ col\d+ ?', 'class="', html)
     return re.sub(r">\s+<", "><", html)
-
-
-#: Said under a table whose rows have no mean and std, or only some.
-MOMENTS_NOTE = (
-    "mean and std are computed only for tensors still alive when the report was built "
-    "(the producer's, the loss); every other call was read once, for its min and max"
-)

@@ -18,7 +18,7 @@ from nan_magic.render.common import (
     stats_phrase,
 )
 from nan_magic.render.fixes import fixes_text
-from nan_magic.render.layer_tree import depth, layers_count, row_labels, shown_statuses, unmeasured_note
+from nan_magic.render.layer_tree import depth, layers_count, missing_note, row_labels, shown_statuses, unmeasured_note
 from nan_magic.render.text_histograms import histograms_text
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.names import row_tensor
@@ -140,9 +140,9 @@ def _layer_section(report: Report, max_rows: int) -> str:
     )
     if window.cut:
         lines.append(f"  ... {window.cut_message()}; report.table has every row")
-    note = unmeasured_note(shown)
-    if note:
-        lines.append(f"  {note}")
+    for note in (missing_note(shown, moments=False), unmeasured_note(shown)):
+        if note:
+            lines.append(f"  {note}")
     return "\n".join(lines)
 
 

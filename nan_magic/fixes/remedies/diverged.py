@@ -151,7 +151,8 @@ def lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last
     gone = diverged_before(report.history, report.step - 2) if outcome.failed is None else None
     still = diverged_loss(report.history, report.step - 1, outcome.loss) if outcome.failed is None else None
     facts |= {"diverged_before": gone} if gone else {"still_diverged": still} if still else {}
-    return at_producer("lr", report, facts=(*step_facts(lowered, outcome), ("redone", "previous"), *facts.items()),
+    return at_producer("lr", report, facts=(*step_facts(lowered, outcome, report), ("redone", "previous"),
+                                            *facts.items()),
                        finite=None if gone or still else outcome.failed is None, loss=outcome.loss,
                        output_change=output_change(base, outcome),
                        seconds=outcome.seconds, failed=outcome.failed, error=outcome.error)

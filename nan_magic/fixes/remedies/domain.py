@@ -278,6 +278,9 @@ class DomainFix:
         #: Of the values moved, those that were inside the function's domain, only nearer its edge than eps (a
         #: probability of 1e-9 under a log): the clamp changes them too, healthy values (remedy_facts' ``inside``).
         self.inside = 0
+        #: The largest ``|output|`` of the remedied op where it moved the operand, and of its other finite values
+        #: (scale_check.py: ``(0 + eps) ** -0.5`` is 2896 where the others are about 1); None until one is read.
+        self.op_sizes: tuple[float, float] | None = None
 
     def frozen(self, parameters: dict[str, torch.Tensor], grads: dict[int, torch.Tensor | None]) -> tuple[str, ...]:
         """The trained parameters (of the replay's ``parameters``, their gradients ``grads`` by id) whose every
@@ -450,7 +453,26 @@ class DomainFix:
         self.note_quotient(name, args, index, operand, moved)
         remedied = list(args)
         remedied[index] = moved
-        return self.note_output(func(*remedied, **kwargs))
+        result = func(*remedied, **kwargs)
+        if changed:
+            self._note_sizes(result, moved != operand)
+        return self.note_output(result)
+
+    def _note_sizes(self, result: Any, where: torch.Tensor) -> None:
+        """Keep the remedied op's output size where the operand moved (``where``) and elsewhere (:attr:`op_sizes`)."""
+        if not isinstance(result, torch.Tensor) or not result.is_floating_point():
+            return
+        try:
+            with torch.no_grad():
+                magnitude = result.detach().double().abs()
+                moved = torch.broadcast_to(where, magnitude.shape)
+                at = magnitude[moved & torch.isfinite(magnitude)]
+                rest = magnitude[~moved & torch.isfinite(magnitude)]
+                sizes = (float(at.max()) if at.numel() else 0.0, float(rest.max()) if rest.numel() else 0.0)
+        except (RuntimeError, TypeError, ValueError):  # (an output not shaped as its operand: no size read)
+            return
+        self.op_sizes = sizes if self.op_sizes is None else (max(self.op_sizes[0], sizes[0]),
+                                                              max(self.op_sizes[1], sizes[1]))
 
     def _counted(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], index: int) -> Any:
         """An integer denominator of counts clamped to 1 (:func:`_counts`), or None where it is not counts."""

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.fixes.scale_check import OFF_SCALE
 from nan_magic.fixes.step import step_alone
 from nan_magic.records import Report
 from nan_magic.scene.last_good import LastGood
@@ -73,12 +74,15 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
         return (FIRST_STEP if first else "no optimizer step ended finite before this one: there is no state to redo "
                 "it from", None,
                 _settings(optimizer, remedy), 0.0)
-    as_ran = _redo(optimizer, parameters, kept, kept_optimizer, None)
+    as_ran, _sizes = _redo(optimizer, parameters, kept, kept_optimizer, None)
     if as_ran:
         return ("the step redone from the last good state as it ran came out finite: the redo does not reproduce it",
                 None, {}, time.perf_counter() - start)
-    finite = _redo(optimizer, parameters, kept, kept_optimizer, remedy)
+    finite, (update, size) = _redo(optimizer, parameters, kept, kept_optimizer, remedy)
     facts = {"from_step": last_good.step, **_settings(optimizer, remedy)}
+    if finite and update > OFF_SCALE * max(size, 1.0):
+        # Finite is not fixed: a tenth of lr = 3e38 moves the weights by 1e37 (fixes/scale_check.py's rule).
+        facts["off_scale"] = (("update", update, size),)
     return None, finite, facts, time.perf_counter() - start
 
 
@@ -110,8 +114,9 @@ def _eps_for(optimizer: torch.optim.Optimizer) -> float:
 
 
 def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept: dict[int, torch.Tensor],
-          kept_state: dict[str, Any], remedy: str | None) -> bool:
-    """Whether the step, redone on copies from the kept state (with ``remedy``), leaves everything finite."""
+          kept_state: dict[str, Any], remedy: str | None) -> tuple[bool, tuple[float, float]]:
+    """Whether the step, redone on copies from the kept state (with ``remedy``), leaves everything finite; and the
+    largest finite change it made to a parameter, and the largest parameter value before it."""
     copies = {id(parameter): kept[id(parameter)].detach().to(parameter.device, parameter.dtype, copy=True)
               .requires_grad_(parameter.requires_grad) for parameter in parameters}
     groups = [{**group, "params": [copies[id(parameter)] for parameter in group["params"]]}
@@ -135,4 +140,10 @@ def _redo(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], kept
     step_alone(redone)
     state = [value for entry in redone.state.values() for value in entry.values()
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
-    return all(bool(torch.isfinite(tensor).all()) for tensor in [*copies.values(), *state])
+    finite = all(bool(torch.isfinite(tensor).all()) for tensor in [*copies.values(), *state])
+    with torch.no_grad():
+        changes = [float((copies[id(p)].double() - kept[id(p)].to(copies[id(p)].device).double()).abs().nan_to_num(
+            0.0, 0.0, 0.0).max()) for p in parameters if copies[id(p)].numel()]
+        sizes = [float(kept[id(p)].double().abs().nan_to_num(0.0, 0.0, 0.0).max()) for p in parameters
+                 if kept[id(p)].numel()]
+    return finite, (max(changes, default=0.0), max(sizes, default=0.0))

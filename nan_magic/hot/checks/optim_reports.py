@@ -20,6 +20,7 @@ from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
+from nan_magic.hot.checks.lr_schedulers import scheduler_note
 from nan_magic.hot.checks.step_layout import StepResult, default_eps, group_eps
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
@@ -115,6 +116,9 @@ class StepReports:
             # Else, no op made it (computed in Python, or a tensor rate made earlier): the loop's line that set it.
             named = (phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr)
                      and self._add_lr_origin(finding, lr, raw_lr))
+            if not named and phase == Phase.OPTIMIZER and lr is not None and not math.isfinite(lr) and (
+                    scheduled := scheduler_note(result.optimizer, lr)) is not None:
+                finding.notes.append(scheduled)  # (no line of the loop set it: a scheduler's step did)
             if not named:
                 self._add_op_origin(finding, tensor)
             if not named and finding.op is None and phase == Phase.OPTIMIZER and self._replay_step is not None:

@@ -79,12 +79,36 @@ def name_lr_line(finding: Finding, lr: float, raw: object) -> bool:
     """Name the loop's line that set the non-finite rate ``lr`` no recorded op made; True where it was found."""
     found = lr_line(lr, raw)
     if found is None:
+        _note_lr_store(finding, lr)
         return False
     frame, name, line, offset = found
     finding.source = pointer_at(frame.f_code, line, frame.f_globals)
     finding.notes.append(Note.of("lr-set-by-loop", lr=lr, name=name, line=line))
     finding.frame, finding.frame_position = frame, (offset, line)  # (%debug at that line, in the loop's frame)
     return True
+
+
+def _note_lr_store(finding: Finding, lr: float) -> None:
+    """Where no name holds the rate (``group["lr"] = float(lrs[step])``, ``= float("nan")``): the one line of the
+    loop's frame that writes a group's ``"lr"``, noted as where to look (``lr-stored-by-loop``), not as the line that
+    set it: the rate may have come in otherwise (given to the optimizer), so the report's line is not moved there."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+    if frame is None:
+        return
+    lines = sorted(_store_lines(frame.f_code))
+    if len(lines) == 1:
+        pointer = pointer_at(frame.f_code, lines[0], frame.f_globals)
+        finding.notes.append(Note.of("lr-stored-by-loop", lr=lr, line=lines[0],
+                                     text=pointer.line if pointer is not None else None))
+
+
+def _store_lines(code: CodeType) -> set[int]:
+    """The lines of ``code`` that store into a subscript ``"lr"`` (``group["lr"] = ...``)."""
+    return {line for (previous, _), (instruction, line) in pairwise(_lined(code))
+            if instruction.opname == "STORE_SUBSCR" and previous.opname == "LOAD_CONST" and previous.argval == "lr"
+            and line is not None}
 
 
 def lr_line(lr: float, raw: object) -> LrLine | None:
@@ -137,8 +161,7 @@ def _set_as_lr(code: CodeType, directly: bool = False) -> set[str]:
     """The names loaded on a line of ``code`` that stores into a subscript ``"lr"`` (``group["lr"] = lr``);
     ``directly``: only on such a line that computes nothing (no operator, no call: the name's own object is stored)."""
     instructions = _lined(code)
-    lines = {line for (previous, _), (instruction, line) in pairwise(instructions)
-             if instruction.opname == "STORE_SUBSCR" and previous.opname == "LOAD_CONST" and previous.argval == "lr"}
+    lines = _store_lines(code)
     if directly:
         lines -= {line for instruction, line in instructions if instruction.opname.startswith(_COMPUTES)}
     return {name for instruction, line in instructions if instruction.opname in _LOADS and line in lines

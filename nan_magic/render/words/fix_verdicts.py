@@ -58,3 +58,25 @@ def milliseconds(seconds: Any) -> str:
         return f"{float(seconds) * 1000:.0f}"
     except (TypeError, ValueError, OverflowError):
         return "?"
+
+
+#: What each off-scale comparison of a trial (fixes/scale_check.py) is, as the verdict says it.
+_OFF_SCALE = {"outputs": "the model's outputs where the step had gone non-finite reach {value}, where its finite "
+                         "ones and the last healthy step's are at most {healthy}",
+              "loss": "its loss is {value}, where the last healthy step's was {healthy}",
+              "gradient norm": "its gradient norm is {value}, where the last healthy step's was {healthy}",
+              "update": "it moves a parameter by {value}, where the parameters were at most {healthy} before it"}
+
+
+def off_scale_words(off: tuple[tuple[str, float, float], ...], function: str | None, made: str, kind: str) -> str:
+    """``but ... far off the healthy scale``: each comparison with its numbers (``off``: ``(what, value, healthy)``)."""
+    said = []
+    for what, value, healthy in off:
+        if what == "op":
+            said.append(f"the remedied {function or 'op'} gives {fmt(value)} where it was changed, where its other "
+                        f"values are at most {fmt(healthy)}")
+        else:
+            said.append(_OFF_SCALE[what].format(value=fmt(value), healthy=fmt(healthy)))
+    why = {"eps": "look at why the operand is out of the domain there",
+           "lr": "a tenth is not enough: the rate is still far too high"}.get(kind, "look at why they are that large")
+    return f"but {'; '.join(said)}: finite, yet far off the healthy scale (the {made} is moved, not fixed: {why})"

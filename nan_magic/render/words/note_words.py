@@ -17,6 +17,7 @@ from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
 from nan_magic.render.words.counted import counted, human_size
+from nan_magic.render.words.lr_words import LR_NOTE_TEMPLATES, LR_NOTE_WRITERS
 from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.render.words.optimizer_replay_words import debug_later_step, optimizer_replay_finite, optimizer_replayed
 from nan_magic.render.words.replay_words import STEP_REPLAY_TEMPLATES
@@ -35,12 +36,7 @@ _TEMPLATES: dict[str, str] = {
                   "is a composite that passes it (not a number the code set)",
     "log-edge": "{function}'s output is infinite in {count:~element} where its y is {edge:g}, its log's edge",
     "spread-divisor": "the divisor is the output of a {spread} (its autograd node or recorded op), not a count",
-    # localize/outside/loop_writes.py: a step's non-finite learning rate, made by the loop's code
-    "lr-made-by-loop": "the learning rate lr = {lr} was set by the loop from a tensor its code computed: "
-                       "{op} at line {line} made it, before the step read it (not a rate too high)",
-    # localize/outside/lr_lines.py: a step's non-finite learning rate, set by the loop's line (no op made it)
-    "lr-set-by-loop": "the learning rate lr = {lr} comes from {name}, which the loop set at line {line} before the "
-                      "step read it (not a rate too high)",
+    **LR_NOTE_TEMPLATES,  # where a step's non-finite learning rate came from
     # hot/: the boundary checks
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
@@ -496,4 +492,5 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "outputs-unread": _outputs_unread,
     "benign-replay-lacks": _benign_replay_lacks,
     "entered-outside-unread": _entered_outside_unread,
+    **LR_NOTE_WRITERS,
 }

@@ -1,8 +1,7 @@
 """The sentences of a forward op's cause: a domain error (log, sqrt, pow), a division, an empty mean, a softmax.
 
-Each reading is written from the cause's event (the op, its inputs by role,
-the counts; render/words/causes/phrases.py) and the numbers its rule in
-explain/forward.py or explain/attention.py gave.
+Each reading is written from the cause's event (the op, its inputs by role, the counts;
+render/words/causes/phrases.py) and the numbers its rule in explain/forward.py or explain/attention.py gave.
 """
 
 from __future__ import annotations
@@ -113,13 +112,13 @@ def _pow_negative_hint(event: Report, cause: Cause) -> str:
     )
 
 
-def _pow_zero_hint(event: Report, cause: Cause) -> str:
-    return (
-        f"pow raised {counted(cause.fact('zeros'), 'zero')} of `self` of {event.op} in {where(event)} to a "
-        "negative power"
-        f"{number_phrase(event, 'exponent')}, giving {event.posinf + event.neginf} inf: add eps to the base "
-        "((x + 1e-12) ** p)"
-    )
+def _pow_zero_hint(event: Report, cause: Cause) -> str:  # (eps ** p is no fix: 1e6 for p = -0.5, fixes/scale_check)
+    p = dict(event.numbers).get("exponent")
+    moved = f"{fmt(1e-12 ** p)} (eps 1e-12)" if isinstance(p, (int, float)) and p < 0 else "eps ** p, a huge value"
+    return (f"pow raised {counted(cause.fact('zeros'), 'zero')} of `self` of {event.op} in {where(event)} to a "
+            f"negative power{number_phrase(event, 'exponent')}, giving {event.posinf + event.neginf} inf: an eps added "
+            f"to the base only moves it to {moved}; where a zero base means none (an isolated node's degree, an empty "
+            "count), set its result to 0: x.pow(p).masked_fill(x == 0, 0), as PyG's gcn_norm does")
 
 
 def _pow_unknown_hint(event: Report, cause: Cause) -> str:
@@ -168,9 +167,10 @@ def _division_hint(event: Report, cause: Cause) -> str:
     constant = "".join(f"; {line}" for line in constant_inputs(event)) if divisor is None else ""
     zeros = divisor_phrase(divisor, _divisor_said(event, cause.fact("divisor") or "other"))
     return (
-        f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}"
-        f"{constant}; if the divisor is a std, variance or norm add eps (x / (std + 1e-5), "
-        f"x / norm.clamp_min({suggested_eps(event)})); if it is a count, clamp it to >= 1"
+        f"{event.op} in {where(event)} divided by zero{zeros}, giving {' and '.join(results)}{constant}; if the "
+        f"divisor is a std, variance or norm add eps (x / (std + 1e-5), x / norm.clamp_min({suggested_eps(event)})); "
+        "if it is a count, clamp it to >= 1; if it is read from a table (a schedule's entry by timestep, "
+        "alphas_cumprod[t]), the table holds a 0: fix that entry or the index"
     )
 
 

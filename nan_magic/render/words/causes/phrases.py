@@ -257,10 +257,10 @@ def divisor_phrase(divisor: TensorStats | None, name: str = "other") -> str:
     if divisor.shape == () and divisor.zeros:
         # A 0-d divisor (a mean, a norm, a count): "`other` () held 1 zero of 1" read as a garbled shape.
         return f" (`{name}`, a single number, was 0)"
-    rows = ""
-    if len(divisor.shape) > 1 and divisor.shape[-1] == 1:
-        # A keepdim reduction over the last dim (a std, a norm): one value per row.
-        rows = f", a per-row reduction that is 0 for {counted(divisor.zeros, 'row')}"
+    # (Its shape says one value per row, not what made it: a keepdim std and a schedule's entries gathered by
+    # timestep, ``alphas_cumprod[t].view(-1, 1)``, look alike. What made it is said where known: spread-divisor.)
+    rows = f", one value per row: 0 for {counted(divisor.zeros, 'row')}" if len(divisor.shape) > 1 and (
+        divisor.shape[-1] == 1) else ""
     return f" (`{name}` {divisor.shape} held {counted(divisor.zeros, 'zero')} of {divisor.numel}{rows})"
 
 

@@ -17,6 +17,7 @@ from nan_magic.render.words.causes.overflow import OVERFLOW_READINGS
 from nan_magic.render.words.causes.phrases import Reading, counts, counts_phrase, event_of, fmt, what
 from nan_magic.render.words.causes.without_op_rule import STEP_READINGS
 from nan_magic.render.words.counted import counted
+from nan_magic.render.words.lr_words import scheduler_words
 from nan_magic.render.words.names import subject_label
 
 __all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
@@ -193,6 +194,46 @@ def _lr_set_hint(cause: Cause) -> str:
     )
 
 
+def _lr_nonfinite_hint(cause: Cause) -> str:
+    """A NaN or infinite rate no line of the loop was found to set: the scheduler's step that wrote it, or where
+    nothing told, that it is not known (a rate given to the optimizer, a config's, a checkpoint's)."""
+    lr = cause.fact("lr")
+    what = "not a number" if lr != lr else "infinite"
+    initial = cause.fact("initial_lr")
+    if cause.reading == "optimizer-lr-scheduled" and initial is not None and not math.isfinite(initial):
+        by = scheduler_words(cause.fact("scheduler"), cause.fact("last_epoch"), initial)
+        where = (f", written by {by}: the rate it was built from is {fmt(initial)} already; give the scheduler a "
+                 "finite rate (a max_lr, a range test's suggestion) and check where that number came from")
+    elif cause.reading == "optimizer-lr-scheduled":
+        by = scheduler_words(cause.fact("scheduler"), cause.fact("last_epoch"), initial)
+        where = (f", written by {by}; find where its formula divides by zero or grows past the float max (a warm-up "
+                 "or decay over 0 steps, a range test's factor compounded too long) and keep it finite")
+    elif cause.fact("stored_line") is not None:
+        text = cause.fact("stored_text")
+        where = (f"; no name holds it, and no torch learning-rate scheduler's step wrote it: the loop's code has one "
+                 f"line that writes a group's \"lr\", line {cause.fact('stored_line')}{f' ({text})' if text else ''}"
+                 ", where to look first (whether it ran before this step is not known: the rate may also have come "
+                 "from a helper or the optimizer's own settings); keep it finite")
+    else:
+        where = ("; where it was set is not known (no torch learning-rate scheduler's step wrote it, and no name in "
+                 "the loop's code holds it): look for what writes its param_groups' \"lr\" (the rate given to the "
+                 "optimizer, a helper, a config, a loaded checkpoint) and keep it finite")
+    return (f"the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)} at step {cause.fact('step')}: "
+            f"its learning rate lr = {fmt(lr)} is {what}, not a rate too high, so every update lr · g is non-finite "
+            f"whatever the gradient{where}")
+
+
+def _lr_nonfinite_evidence(cause: Cause) -> tuple[str, ...]:
+    lr = cause.fact("lr")
+    lines = (*_step_facts(cause), f"lr {fmt(lr)} is {'not a number' if lr != lr else 'infinite'}")
+    if cause.fact("stored_line") is not None:
+        return (*lines, f"the loop's one line that writes a group's \"lr\": line {cause.fact('stored_line')}")
+    if cause.reading == "optimizer-lr-scheduled":
+        return (*lines, "set by " + scheduler_words(cause.fact("scheduler"), cause.fact("last_epoch"),
+                                                    cause.fact("initial_lr")))
+    return lines
+
+
 def _lr_evidence(cause: Cause) -> tuple[str, ...]:
     lr, limit, dtype = cause.fact("lr"), cause.fact("limit"), cause.fact("dtype")
     if lr >= limit:
@@ -318,6 +359,8 @@ _READINGS: dict[str, Reading] = {
     **OP_READINGS,
     **OVERFLOW_READINGS,
     "optimizer-lr": Reading(_lr_hint, _lr_evidence),
+    "optimizer-lr-scheduled": Reading(_lr_nonfinite_hint, _lr_nonfinite_evidence),
+    "optimizer-lr-nonfinite": Reading(_lr_nonfinite_hint, _lr_nonfinite_evidence),
     "optimizer-lr-set": Reading(_lr_set_hint, lambda cause: (
         *_step_facts(cause), f"from {cause.fact('name')}, set by the loop at line {cause.fact('line')}")),
     "optimizer-state-overflow": Reading(_state_overflow_hint, _step_facts, sentence=False),
