@@ -73,7 +73,6 @@ from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
-from nan_magic.patches.compile_callbacks import kept_compile_callbacks
 from nan_magic.patches.step_hooks import optimizer_step_hooks
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary
 from nan_magic.scene.last_good import LastGood
@@ -301,8 +300,6 @@ class Watch(WatchEvents):
         try:
             keep_apart_from_users_modes(self, stack)  # the watch's ops unseen by the user's dispatch modes
             self.module_hooks.attach(stack)
-            stack.enter_context(kept_compile_callbacks(self.module_hooks.compile_started,
-                                                       self.module_hooks.compile_ended))
             stack.enter_context(optimizer_step_hooks(self.cycle.on_step_pre, self.cycle.on_step_post))
             stack.enter_context(backward_patch.watch_backward(self._loss_starts))  # (first: called first)
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,

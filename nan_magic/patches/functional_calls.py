@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import stateless
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from nan_magic.patches.registry import CompiledAsOriginal, ProcessPatch
+from nan_magic.patches.registry import ProcessPatch
 
 __all__ = ["SWAPPED_OUT", "noted_swaps", "own_tensors"]
 
@@ -71,8 +71,7 @@ def own_tensors(module: nn.Module) -> Iterator[None]:
         accessor.swap_tensors_dict(given, allow_missing=True)
 
 
-#: Compiled code traces torch's own swap: inside a compiled region the watch sees no module call to be told of.
-_PATCH = ProcessPatch.of(stateless, "_reparametrize_module", CompiledAsOriginal(_wrap))
+_PATCH = ProcessPatch.of(stateless, "_reparametrize_module", _wrap)
 
 
 @contextmanager

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["CompiledAsOriginal", "ProcessPatch", "Recorder", "SelfGated", "Wrap", "brought_back", "call_aside",
+__all__ = ["ProcessPatch", "Recorder", "SelfGated", "Wrap", "brought_back", "call_aside",
            "installed", "stepped_aside"]
 
 #: ``wrap(original) -> replacement``: the replacement receives what the original would, and calls it.
@@ -52,18 +52,6 @@ class SelfGated:
     def __init__(self, wrap: Callable[[Callable[..., Any], Any], Callable[..., Any]]) -> None:
         self.wrap = wrap
 
-
-class CompiledAsOriginal:
-    """A wrap that ``torch.compile`` does not see: dynamo traces the original where code it compiles calls the
-    replacement (the replacement's ``_torchdynamo_inline``, as torch's own wrappers name what dynamo traces). nan_magic
-    is on dynamo's skip list while a watch is (patches/step_hooks.py), so a replacement called in a compiled region
-    is a graph break, which inside a ``torch.func`` transform (``torch.compile(torch.func.grad(f))``) dynamo cannot
-    resume from; and the watch sees no module call inside a compiled graph, so there is nothing there to tell it."""
-
-    def __init__(self, wrap: Wrap) -> None:
-        self.wrap = wrap
-
-
 _MISSING = object()
 _live: list[ProcessPatch] = []
 
@@ -71,7 +59,7 @@ _live: list[ProcessPatch] = []
 class _Installed:
     """One attribute replaced: what we set, what was there, and whether ours still acts."""
 
-    def __init__(self, owner: Any, name: str, wrap: Wrap | SelfGated | CompiledAsOriginal,
+    def __init__(self, owner: Any, name: str, wrap: Wrap | SelfGated,
                  absent: Callable[..., Any] | None = None) -> None:
         self.owner, self.name = owner, name
         # What the replacement calls: the attribute as code reads it (a classmethod comes bound), or ``absent``
@@ -84,15 +72,12 @@ class _Installed:
         if isinstance(wrap, SelfGated):
             dispatch = functools.update_wrapper(wrap.wrap(original, self), original)
         else:
-            replacement = (wrap.wrap if isinstance(wrap, CompiledAsOriginal) else wrap)(original)
+            replacement = wrap(original)
 
             @functools.wraps(original)
             def dispatch(*args: Any, **kwargs: Any) -> Any:
                 __tracebackhide__ = True
                 return (replacement if self.acting else original)(*args, **kwargs)
-
-            if isinstance(wrap, CompiledAsOriginal):
-                dispatch._torchdynamo_inline = original  # type: ignore[attr-defined]
 
         # A bound original (classmethod) or a staticmethod takes no instance: ours must not either.
         static = inspect.getattr_static(owner, name, None)
@@ -129,8 +114,7 @@ class ProcessPatch:
         self._installed: list[_Installed] = []
 
     @classmethod
-    def of(cls, owner: Any, name: str, wrap: Wrap | CompiledAsOriginal,
-           absent: Callable[..., Any] | None = None) -> ProcessPatch:
+    def of(cls, owner: Any, name: str, wrap: Wrap, absent: Callable[..., Any] | None = None) -> ProcessPatch:
         """The patch of one attribute (``absent``: what ``wrap`` is given where the owner has no such attribute)."""
         return cls(lambda: [(owner, name, wrap, absent)])
 

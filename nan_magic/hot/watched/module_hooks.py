@@ -80,7 +80,6 @@ class GlobalModuleHooks:
         self._stack: ExitStack | None = None
         self._eager = False
         self._noticed = False
-        self._off_for_compile = False  # (compile_started took them off)
 
     def attach(self, stack: ExitStack) -> None:
         """Attach the global hooks until ``stack`` closes."""
@@ -94,28 +93,6 @@ class GlobalModuleHooks:
         warnings.filters.insert(0, added)  # type: ignore[attr-defined]
         warnings._filters_mutated()  # type: ignore[attr-defined]
         stack.callback(_remove_filter, added)
-
-    def compile_started(self, *_args: Any) -> None:
-        """As dynamo starts a compile: our hooks off until it ends (:meth:`compile_ended`; patches/compile_callbacks.py
-        calls both).
-
-        A compiled function that calls a module dynamo does not treat as a constant (one ``functional_call``
-        swaps tensors into: ``torch.compile(torch.func.grad(f))``, per-sample gradients) has dynamo trace the
-        module's ``_call_impl`` and the global hooks in it. nan_magic is on dynamo's skip list, so each hook
-        is a graph break: one at every submodule, ``fullgraph=True`` raising, and inside a ``torch.func``
-        transform an ``AssertionError`` from dynamo. Off while it traces, they are not in the graph, as for a
-        function compiled before the watch: dynamo guards the hook dicts' type only, so neither the watch's
-        arrival nor its end recompiles it. A compiled region's module calls are not seen, as a compiled model's.
-        """
-        if self._attached:
-            self._off()
-            self._off_for_compile = True
-
-    def compile_ended(self, *_args: Any) -> None:
-        """As dynamo's compile ends: our hooks back where :meth:`compile_started` took them off."""
-        if self._off_for_compile:
-            self._off_for_compile = False
-            self._on()
 
     def step_aside_for(self, model: nn.Module) -> None:
         """Take the global hooks off while ``model`` runs; they come back when its call returns or raises."""

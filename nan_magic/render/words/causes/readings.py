@@ -19,6 +19,7 @@ from nan_magic.render.words.causes.without_op_rule import STEP_READINGS
 from nan_magic.render.words.counted import counted
 from nan_magic.render.words.lr_words import scheduler_words
 from nan_magic.render.words.names import subject_label
+from nan_magic.tensor_refs import op_function
 
 __all__ = ["cause_evidence", "cause_hint", "hint_opens_sentence"]
 
@@ -51,9 +52,7 @@ _SAFE_BRANCHES = {
 
 
 def _safe_branch(op: str) -> str:
-    parts = op.split(".")
-    name = (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]).rstrip("_")
-    return _SAFE_BRANCHES.get(name, "the op's input masked to a safe value, e.g. torch.where(mask, x, 1)")
+    return _SAFE_BRANCHES.get(op_function(op), "the op's input masked to a safe value, e.g. torch.where(mask, x, 1)")
 
 
 def cause_evidence(cause: Cause) -> tuple[str, ...]:
@@ -210,12 +209,12 @@ def _lr_nonfinite_hint(cause: Cause) -> str:
                  "or decay over 0 steps, a range test's factor compounded too long) and keep it finite")
     elif cause.fact("stored_line") is not None:
         text = cause.fact("stored_text")
-        where = (f"; no name holds it, and no torch learning-rate scheduler's step wrote it: the loop's code has one "
+        where = (f"; no name holds it, and no torch learning-rate scheduler's formula made it: the loop's code has one "
                  f"line that writes a group's \"lr\", line {cause.fact('stored_line')}{f' ({text})' if text else ''}"
                  ", where to look first (whether it ran before this step is not known: the rate may also have come "
                  "from a helper or the optimizer's own settings); keep it finite")
     else:
-        where = ("; where it was set is not known (no torch learning-rate scheduler's step wrote it, and no name in "
+        where = ("; where it was set is not known (no torch learning-rate scheduler's formula made it, and no name in "
                  "the loop's code holds it): look for what writes its param_groups' \"lr\" (the rate given to the "
                  "optimizer, a helper, a config, a loaded checkpoint) and keep it finite")
     return (f"the {cause.fact('optimizer')} step made {_subject(cause)} {_counts(cause)} at step {cause.fact('step')}: "
