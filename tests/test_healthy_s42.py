@@ -314,19 +314,39 @@ EAGER = ("by design, under mode='full' and ops=True a compiled model runs eagerl
 COMPILED_MODELS = {"compiled_model_with_checkpoint_reentrant", "compiled_model_with_checkpoint_non_reentrant"}
 
 
-@pytest.mark.parametrize("row, mode", [
-    pytest.param(row, mode, marks=pytest.mark.xfail(strict=True, reason=EAGER)
-                 if row in COMPILED_MODELS and mode not in ("default", "defer") else [])
-    for row in ROWS for mode in MODES])
+#: Rows a watch still breaks (not ops=True, whose tracer makes dynamo run them eagerly). hunt-a-s42 took the global
+#: module hooks off while dynamo compiles; its review found that this hides the module calls of every compiled
+#: function from the watch (a NaN inside one named in no module, or in inference not caught at all): taken back.
+COMPILED_OVER_FUNCTIONAL_CALL = (
+    "torch.compile over torch.func.functional_call in a watch (not ops=True): dynamo traces the watch's global module "
+    "hooks in the module's _call_impl, each a graph break (nan_magic is on its skip list), which inside torch.func.grad"
+    " it cannot resume from (AssertionError: False != True) and fullgraph=True refuses; the fix that took the hooks "
+    "off during every compile hid compiled code's module calls from the watch, and was taken back")
+BROKEN = {"grad_of_functional_call_eager", "per_sample_grads_compiled", "functional_call_fullgraph_first_inside",
+          "reset_then_grad_of_functional_call"}
+
+
+def _marks(row: str, mode: str) -> Any:
+    if row in COMPILED_MODELS and mode not in ("default", "defer"):
+        return pytest.mark.xfail(strict=True, reason=EAGER)
+    if row in BROKEN and mode in ("default", "defer", "full"):
+        return pytest.mark.xfail(strict=True, reason=COMPILED_OVER_FUNCTIONAL_CALL)
+    return []
+
+
+@pytest.mark.parametrize("row, mode", [pytest.param(row, mode, marks=_marks(row, mode))
+                                       for row in ROWS for mode in MODES])
 def test_healthy_row_is_calm_and_identical(row: str, mode: str) -> None:
     check(ROWS[row], mode)
 
 
+@pytest.mark.xfail(strict=True, reason=COMPILED_OVER_FUNCTIONAL_CALL)
 @pytest.mark.parametrize("mode", ["default", "full"])
 def test_compiled_grad_of_functional_call_keeps_its_one_graph(mode: str) -> None:
     """The watch adds no graph break to ``torch.compile(torch.func.grad(f))`` over ``functional_call``: its hooks are
     off while dynamo traces, and dynamo traces torch's own swap in place of the watch's. One recompile as the watch
-    arrives (the swap's function is the watch's while it is active: dynamo guards its code), none as it goes."""
+    arrives (the swap's function is the watch's while it is active: dynamo guards its code), none as it goes. (What
+    hunt-a-s42's fix gave; taken back: see COMPILED_OVER_FUNCTIONAL_CALL.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -346,6 +366,7 @@ def test_compiled_grad_of_functional_call_keeps_its_one_graph(mode: str) -> None
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
+@pytest.mark.xfail(strict=True, reason=COMPILED_OVER_FUNCTIONAL_CALL)
 def test_compiled_grad_of_functional_call_with_inductor() -> None:
     """The default backend too (one row: inductor compiles slowly on a small machine)."""
     check(grad_of_functional_call("inductor"), "default")
