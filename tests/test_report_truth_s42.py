@@ -120,6 +120,27 @@ def test_a_nan_rate_the_loop_writes_after_a_healthy_scheduler_is_not_the_schedul
     assert "LambdaLR" not in report.to_text()
 
 
+def test_a_nan_rate_a_chainable_scheduler_passed_on_is_not_its_formula_s() -> None:
+    # ExponentialLR's step is group["lr"] * gamma: it carries the NaN the loop wrote before it (review of hunt-c-s42).
+    # Its closed form from its finite base rates is finite, so the loop's store line is where to look, not its formula.
+    model, opt, run = _lr_loop(lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99), _untouched,
+                               literal_at=2)
+    report = raised(run, model, opt)
+    assert report.cause is not None and report.cause.reading == "optimizer-lr-nonfinite"
+    text = _assert_not_too_high(report)
+    assert "ExponentialLR" not in text and "its formula divides by zero" not in text
+    assert "no torch learning-rate scheduler's formula made it" in text
+
+
+def test_a_chainable_scheduler_whose_own_formula_makes_the_nan_is_named() -> None:
+    model, opt, run = _lr_loop(lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=float("nan")),
+                               _untouched)
+    report = raised(run, model, opt)
+    assert report.cause is not None and report.cause.reading == "optimizer-lr-scheduled"
+    text = _assert_not_too_high(report)
+    assert "written by the ExponentialLR scheduler's step (last_epoch 1; initial_lr 0.1)" in text
+
+
 def test_a_nan_rate_a_helper_writes_is_not_said_to_come_from_the_loop_s_line() -> None:
     # The loop's one store into a group's "lr" never ran (a helper wrote the NaN): the line is offered as where to
     # look, never as the line that set it, and %debug / the report's line stay at the step.
@@ -371,3 +392,45 @@ def test_a_tenth_of_a_rate_too_high_that_leaves_a_huge_update_is_not_verified() 
     assert "0 of 1 verified, 1 finite but off the healthy scale" in text
     assert "it moves a parameter by 1e38, where the parameters were at most 1 before it" in text
     assert "a tenth is not enough: the rate is still far too high" in text
+
+
+class LogOfMaskedSoftmax(nn.Module):
+    """Returns its own loss (HF-style): -log of a softmax whose masked entry is 0 (a sum over the batch, or a mean
+    scaled up); the eps clamp of log's operand is the in-scale remedy."""
+
+    def __init__(self, reduction: str, scale: float = 1.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.reduction, self.scale = reduction, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.lin(x), -1) * (x > -9).float()
+        return -torch.log(p).sum() if self.reduction == "sum" else -self.scale * torch.log(p).mean()
+
+
+@pytest.mark.parametrize(("reduction", "scale", "sizes"), [("sum", 1.0, (3, 1)), ("mean", 100.0, ())],
+                         ids=["sum-after-a-one-row-batch", "step-0-loss-of-100"])
+def test_a_whole_step_total_off_the_last_step_s_is_no_verdict_on_the_remedy(
+        reduction: str, scale: float, sizes: tuple[int, ...]) -> None:
+    # Review of hunt-c-s42: the loss, the gradient norm or a scalar output against an earlier step (a sum over 512
+    # rows after a batch of 1; step 0 with no earlier step, "at most 0") moved 100x for reasons that are not the
+    # remedy: the eps clamp stays verified.
+    torch.manual_seed(0)
+    model = LogOfMaskedSoftmax(reduction, scale)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    big = torch.randn(512, 4).clamp(-3, 3)
+    big[7, 1] = -10.0
+    batches = [torch.randn(size, 4) for size in sizes] + [big]
+
+    def run() -> None:
+        for x in batches:
+            loss = model(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    report = raised(run, model, opt)
+    eps = next(trial for trial in report.fixes if trial.kind == "eps")
+    assert eps.finite is True and eps.fact("off_scale") is None, eps
+    text = report.to_text()
+    assert "off the healthy scale" not in text and "at most 0" not in text

@@ -1,25 +1,21 @@
 """Whether a remedy that made the replayed step finite left it on the healthy step's scale.
 
 Finite is not fixed: clamping the degree of an isolated node under ``deg.pow(-0.5)`` makes ``(0 + eps) ** -0.5``
-= 2896 where the op's other values are 0.7, and the node's output 1e6. Each number of the step the trial measured is
-set against its healthy counterpart: the model's outputs where the unremedied replay was non-finite against its
-finite ones and the last healthy step's, the loss against the last healthy step's loss, and the gradient norm (a
-backward from the loss only) against the last healthy step's. Past :data:`OFF_SCALE` times the healthy value (or 1,
-where that is smaller) the trial carries the ``off_scale`` fact, with the remedied op's own size where it moved the
-operand against the op's other values (DomainFix's ``op_sizes``): render/fixes.py says it with the numbers, and
-trial_facts.verified_first ranks it below a remedy that is finite and in scale. The op's size alone is no verdict:
-a huge value the step never reads (the weight of an absent class) or reads as 0 (``0 * rsqrt(eps)``) is harmless.
+= 2896 where the op's other values are 0.7, and the node's output 1e6. The model's outputs where the unremedied
+replay was non-finite are set against that replay's finite outputs of the same call; past :data:`OFF_SCALE` times
+those (or 1, where that is smaller) the trial carries the ``off_scale`` fact, with the remedied op's own size where it
+moved the operand against the op's other values (DomainFix's ``op_sizes``): render/fixes.py says it with the
+numbers, and trial_facts.verified_first ranks it below a remedy that is finite and in scale. The op's size alone is
+no verdict: a huge value the step never reads (the weight of an absent class) or reads as 0 (``0 * rsqrt(eps)``) is
+harmless.
 """
-
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 
 from nan_magic.fixes.step import StepOutcome
-from nan_magic.records import Report
 
 __all__ = ["OFF_SCALE", "off_scale"]
 
@@ -32,25 +28,25 @@ OFF_SCALE = 100.0
 Off = tuple[str, float, float]
 
 
-def off_scale(report: Report, outcome: StepOutcome, base: StepOutcome | None = None,
+def off_scale(outcome: StepOutcome, base: StepOutcome | None = None,
               op_sizes: tuple[float, float] | None = None) -> tuple[Off, ...]:
-    """The comparisons of a finite ``outcome`` that are off the healthy scale (empty: in scale, or not finite)."""
-    if outcome.failed is not None:
+    """The comparisons of a finite ``outcome`` that are off the healthy scale (empty: in scale, or not finite).
+
+    Only what the step itself holds is compared: where the unremedied replay's outputs were non-finite, the remedied
+    ones against that replay's finite outputs of the same call. A whole-step total (the loss, the gradient norm)
+    against an earlier step is no measure of the remedy: a sum-reduced loss of a larger batch, a term annealed in, a
+    GAN's or an RL loss move 100x between healthy steps (review of hunt-c-s42); and where the call has no finite
+    output to compare with (a model that returns its scalar loss, every value non-finite) nothing is said."""
+    if outcome.failed is not None or base is None:
         return ()
-    healthy = next((step for step in reversed(report.history) if not step.nonfinite and step.step < report.step),
-                   None)
-    found: list[Off] = []
-    if base is not None and (outputs := _repaired_outputs(base, outcome)) is not None:
-        reference = max(outputs[1], healthy.absmax if healthy is not None and healthy.absmax is not None else 0.0)
-        found.append(("outputs", outputs[0], reference))
-    if outcome.loss is not None and healthy is not None and healthy.loss is not None:
-        found.append(("loss", abs(outcome.loss), abs(healthy.loss)))
-    if (outcome.loss_from is not None and outcome.grads and healthy is not None and healthy.grad_norm is not None
-            and healthy.scale is None):  # (a GradScaler's step holds scaled gradients: no common scale)
-        found.append(("gradient norm", _norm(outcome.grads.values()), healthy.grad_norm))
-    off = [(what, value, reference) for what, value, reference in found
-           if math.isfinite(value) and value > OFF_SCALE * max(reference, 1.0)]
-    if off and op_sizes is not None and op_sizes[0] > OFF_SCALE * max(op_sizes[1], 1.0):
+    outputs = _repaired_outputs(base, outcome)
+    if outputs is None or outputs[1] == 0.0:
+        return ()
+    value, reference = outputs
+    if not (math.isfinite(value) and value > OFF_SCALE * max(reference, 1.0)):
+        return ()
+    off: list[Off] = [("outputs", value, reference)]
+    if op_sizes is not None and op_sizes[0] > OFF_SCALE * max(op_sizes[1], 1.0):
         # The op's own size, said where what the step made of it is off scale: alone it proves nothing (a weight
         # 1 / eps of a class no sample has, 0 * rsqrt(eps) of a padding row: never read, or read as 0).
         off.insert(0, ("op", *op_sizes))
@@ -74,9 +70,3 @@ def _repaired_outputs(base: StepOutcome, outcome: StepOutcome) -> tuple[float, f
             if bool((~bad).any()):
                 healthy = max(healthy, float(before.double().abs()[~bad].max()))
     return (repaired, healthy) if seen else None
-
-
-def _norm(grads: Iterable[torch.Tensor | None]) -> float:
-    """The total L2 norm of the gradients (None: a parameter that got none), as the optimizer check reads it."""
-    with torch.no_grad():
-        return math.sqrt(sum(float(grad.double().pow(2).sum()) for grad in grads if grad is not None))

@@ -43,7 +43,7 @@ def step_facts(step: FailingStep, outcome: StepOutcome, report: Report | None = 
     given the ``report`` (and the unremedied replay ``base``), what of a finite step is off the healthy scale."""
     facts: tuple[tuple[str, object], ...] = (("stepped", outcome.stepped),
                                              ("backward_from", _backward_from(step, outcome)))
-    if report is not None and (off := off_scale(report, outcome, base, op_sizes)):
+    if report is not None and (off := off_scale(outcome, base, op_sizes)):
         facts += (("off_scale", off),)
     if outcome.loss_from is not None:
         facts += (("loss_from", outcome.loss_from),)

@@ -32,9 +32,30 @@ def scheduler_note(optimizer: torch.optim.Optimizer, lr: float) -> Note | None:
     last = getattr(scheduler, "_last_lr", None)
     if isinstance(last, (list, tuple)) and last and not any(_same(value, lr) for value in last):
         return None  # (the loop wrote the rate after the scheduler's step: not the scheduler's)
+    if _carried(scheduler):
+        return None  # (its formula scales the rate the group held: a NaN written there before its step, passed on)
     epoch = getattr(scheduler, "last_epoch", None)
     return Note.of("lr-set-by-scheduler", lr=lr, scheduler=type(scheduler).__name__,
                    last_epoch=epoch if isinstance(epoch, int) else None, initial_lr=_number(initial))
+
+
+#: Schedulers with no closed form whose step scales the rate the group holds (``group["lr"] * factor``).
+_CHAINED = frozenset({"MultiplicativeLR", "ReduceLROnPlateau", "ChainedScheduler", "SequentialLR"})
+
+
+def _carried(scheduler: Any) -> bool:
+    """Whether ``scheduler``'s last rate may be one it was given, not one its formula made: a chainable scheduler
+    (ExponentialLR, StepLR: ``group["lr"] * gamma``) whose closed form, from its finite ``base_lrs``, is finite; or
+    one that only scales the rate it holds. A scheduler computed from its base rates (LambdaLR, OneCycleLR) made it."""
+    closed = getattr(scheduler, "_get_closed_form_lr", None)
+    if closed is None:
+        return type(scheduler).__name__ in _CHAINED
+    try:
+        rates = closed()
+    except Exception:
+        return True
+    numbers = [_number(rate) for rate in rates]
+    return all(number is not None and math.isfinite(number) for number in numbers)
 
 
 def _scheduler_of(optimizer: torch.optim.Optimizer) -> Any:

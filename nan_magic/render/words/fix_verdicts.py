@@ -62,9 +62,7 @@ def milliseconds(seconds: Any) -> str:
 
 #: What each off-scale comparison of a trial (fixes/scale_check.py) is, as the verdict says it.
 _OFF_SCALE = {"outputs": "the model's outputs where the step had gone non-finite reach {value}, where its finite "
-                         "ones and the last healthy step's are at most {healthy}",
-              "loss": "its loss is {value}, where the last healthy step's was {healthy}",
-              "gradient norm": "its gradient norm is {value}, where the last healthy step's was {healthy}",
+                         "ones are at most {healthy}",
               "update": "it moves a parameter by {value}, where the parameters were at most {healthy} before it"}
 
 
