@@ -1,0 +1,67 @@
+"""The label a model found by a discovering ``watch()`` joins under: the name the user's code calls it by.
+
+Two models of one class (a GAN's ``G`` and ``D``, both ``nn.Sequential``; a teacher and a student) would both be
+``Sequential``, and a report could not say which it means. The user's frame that called the model (the first
+outside torch and nan_magic) is asked, once, as the model joins, for a name bound to it: ``G``, ``D``, as the
+notebook's namespace names them for ``%%nantrace`` and a script's globals for the CLI. A helper's parameter
+(``def step(net, x): return net(x)``) names every model it is given alike, so a name another model already joined
+under is passed over for the next frame out (``step(G, x)``'s ``G``). Where no frame binds the model to a name of its
+own (``models[1](x)``, ``self.critic(x)``), its class names it, numbered from the second model of that class on
+(``Sequential#2``): a label the watch already gave is never given again. Only at a join: no cost a step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Collection
+from types import FrameType
+
+from torch import nn
+
+from nan_magic.errors.frames import is_library_code
+
+__all__ = ["distinct_label", "name_in_callers"]
+
+#: How many of the user's frames out from the call are asked for a name (a loop, a helper or two, the script).
+FRAMES_ASKED = 8
+
+
+def name_in_callers(module: nn.Module, taken: Collection[str | None]) -> str | None:
+    """The name of ``module`` in the innermost of the user's calling frames that binds it to one not ``taken``
+    (locals, then that frame's globals), or None. A function's parameter (``net`` of ``step(net, x)``) names whatever
+    it is given: the name its caller binds the model to is looked for first, out to :data:`FRAMES_ASKED` frames.
+    Names starting with ``_`` (IPython's ``_3``) and ``self`` are passed over."""
+    frame: FrameType | None = sys._getframe(1)
+    asked, parameter = 0, None
+    while frame is not None and asked < FRAMES_ASKED:
+        if not is_library_code(frame.f_code):
+            asked += 1
+            name = _bound_name(frame, module, taken)
+            if name is not None and name not in _parameters(frame):
+                return name
+            parameter = parameter or name
+        frame = frame.f_back
+    return parameter
+
+
+def _bound_name(frame: FrameType, module: nn.Module, taken: Collection[str | None]) -> str | None:
+    for scope in (frame.f_locals, frame.f_globals):
+        for name, value in list(scope.items()):
+            if value is module and not name.startswith("_") and name != "self" and name not in taken:
+                return name
+    return None
+
+
+def _parameters(frame: FrameType) -> tuple[str, ...]:
+    code = frame.f_code
+    return code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+
+
+def distinct_label(label: str, taken: Collection[str | None]) -> str:
+    """``label``, or ``label#2``, ``label#3``... where a model already joined under it."""
+    if label not in taken:
+        return label
+    number = 2
+    while f"{label}#{number}" in taken:
+        number += 1
+    return f"{label}#{number}"
