@@ -343,8 +343,9 @@ class StepCycle(CycleExit):
                 self.optimizers.on_step_pre(opt, args, kwargs)
         finally:
             if self.outside is not None and self._here.mine:
-                self.outside.forget(stepping=True)  # the step is judged (the deferred check too): the loss code's
-                # records go (the update code's that read a number stay through the step: recorder.forget)
+                # The step is judged (the deferred check too): the loss code's records go (the update code's that read
+                # a number stay through the step, and with another optimizer to step, to its check: recorder.forget).
+                self.outside.forget(stepping=True, others=len(self.optimizers.seen) > 1)
                 self.gradients.loss_graph = None  # (forget_loss_graph, inlined: every step)
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
