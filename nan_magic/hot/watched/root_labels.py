@@ -4,8 +4,9 @@ Two models of one class (a GAN's ``G`` and ``D``, both ``nn.Sequential``; a teac
 ``Sequential``, and a report could not say which it means. The user's frame that called the model (the first
 outside torch and nan_magic) is asked, once, as the model joins, for a name bound to it: ``G``, ``D``, as the
 notebook's namespace names them for ``%%nantrace`` and a script's globals for the CLI. A helper's parameter
-(``def step(net, x): return net(x)``) names every model it is given alike, so a name another model already joined
-under is passed over for the next frame out (``step(G, x)``'s ``G``). Where no frame binds the model to a name of its
+(``def step(net, x): return net(x)``) names every model it is given alike, so the name its caller binds is looked for
+first (``step(G, x)``'s ``G``); a name another model joined under, rebound to this one (``model = Model()`` again in a
+later cell), is numbered (``model#2``). Where no frame binds the model to a name of its
 own (``models[1](x)``, ``self.critic(x)``), its class names it, numbered from the second model of that class on
 (``Sequential#2``): a label the watch already gave is never given again. Only at a join: no cost a step.
 """
@@ -32,24 +33,25 @@ def name_in_callers(module: nn.Module, taken: Collection[str | None]) -> str | N
     it is given: the name its caller binds the model to is looked for first, out to :data:`FRAMES_ASKED` frames.
     Names starting with ``_`` (IPython's ``_3``) and ``self`` are passed over."""
     frame: FrameType | None = sys._getframe(1)
-    asked, parameter = 0, None
+    asked, parameter, rebound = 0, None, None
     while frame is not None and asked < FRAMES_ASKED:
         if not is_library_code(frame.f_code):
             asked += 1
-            name = _bound_name(frame, module, taken)
-            if name is not None and name not in _parameters(frame):
-                return name
-            parameter = parameter or name
+            for name in _bound_names(frame, module):
+                if name in taken:
+                    rebound = rebound or name
+                elif name not in _parameters(frame):
+                    return name
+                else:
+                    parameter = parameter or name
         frame = frame.f_back
-    return parameter
+    # A name an earlier model joined under, rebound to this one (``model = Model()`` in a later cell): numbered.
+    return parameter or (distinct_label(rebound, taken) if rebound is not None else None)
 
 
-def _bound_name(frame: FrameType, module: nn.Module, taken: Collection[str | None]) -> str | None:
-    for scope in (frame.f_locals, frame.f_globals):
-        for name, value in list(scope.items()):
-            if value is module and not name.startswith("_") and name != "self" and name not in taken:
-                return name
-    return None
+def _bound_names(frame: FrameType, module: nn.Module) -> list[str]:
+    return [name for scope in (frame.f_locals, frame.f_globals) for name, value in list(scope.items())
+            if value is module and not name.startswith("_") and name != "self"]
 
 
 def _parameters(frame: FrameType) -> tuple[str, ...]:

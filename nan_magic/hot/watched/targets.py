@@ -307,7 +307,7 @@ def _default_model_labels(targets: list[Any], labels: list[str | None]) -> list[
     models = [index for index, target in enumerate(targets) if isinstance(target, nn.Module)]
     if len(models) < 2:
         return labels
-    names = {index: type(targets[index]).__name__ for index in models if labels[index] is None}
+    names = {index: user_type(targets[index]) for index in models if labels[index] is None}  # (DDP: the class held)
     taken = Counter(label for label in labels if label is not None)
     repeated = Counter(names.values())
     result = list(labels)
