@@ -7,6 +7,10 @@ second ``Sequential``), through a helper's parameter too; two models kept in a l
 ``Sequential`` and ``Sequential#2``. The second model's BatchNorm running variance overflowing is named in that
 model. The loop normalising the second model's gradients by hand (``p.grad /= p.grad.norm()``) before the second
 optimizer steps: the op and its line in every mode (the update code's records are kept for that optimizer's check).
+Further: a critic watched as a model of its own but called inside the generator's forward (its forward producer and
+its parameter's own gradient, named in it by the tiered replay too); a model rebuilt mid-run under ``watch()``
+(``model#2``); two ``DataParallel`` wrappers labelled by the class they hold; an actor-critic sharing a trunk; one
+Adam over two models' param groups.
 Each with a healthy twin: the same code with an eps, a guard, or healthy data.
 """
 
@@ -234,6 +238,43 @@ def _inner_model(dead: bool) -> Scenario:
     return Scenario((generator, critic), run)
 
 
+class RootScale(nn.Module):
+    """Scales its input by ``sqrt(|s|)``: where ``s`` is exactly 0 only its own gradient is ``0 / 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s.abs().sqrt()  # producer: root scale
+
+
+def _inner_backward(dead: bool) -> Scenario:
+    """A critic (``Sequential(Linear, RootScale, Linear)``, watched as a model of its own) called inside the
+    generator's forward; at step 2 its scale is pruned to exactly 0: only ``1.s``'s own gradient is ``0 / 0``. The
+    tiered replay differentiated the generator's parameters only and named no op. Twin: halved."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(4, 4), RootScale(), nn.Linear(4, 1))
+    generator = Scored(critic)
+    opt = torch.optim.SGD([*generator.parameters(), *critic.parameters()], lr=1e-2)
+    xs = _batches(5, 4)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    critic[1].s.mul_(0.0 if dead else 0.5)
+            loss = generator(xs[step]).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((generator, critic), run)
+
+
 # ---------------------------------------------------------------- further: a model rebuilt mid-run, found by watch()
 def _rebuilt(dead: bool) -> Scenario:
     """``model = Model()`` again half-way (a later cell re-run), found by ``watch()``: the first joined as ``model``,
@@ -408,4 +449,9 @@ CASES = [
          Expect("optimizer", "0", "Embedding", step=0, op="aten.addcdiv_.default", marker="grouped step",
                 model="Sequential#2")),
     Case("hunt_s42b_one_adam_over_two_models_groups_healthy", lambda: _grouped(1e-8), None),
+    Case("hunt_s42b_a_model_called_inside_another_models_forward_own_gradient", lambda: _inner_backward(True),
+         Expect("backward", "1", "RootScale", step=2, op="aten.div.Tensor", marker="root scale",
+                tensor=TensorRef.gradient("1.s"), model="Sequential")),
+    Case("hunt_s42b_a_model_called_inside_another_models_forward_own_gradient_healthy",
+         lambda: _inner_backward(False), None),
 ]
