@@ -101,7 +101,8 @@ def _differentiated(inner: ReplayWatch, target: nn.Module) -> list[tuple[str, to
     model's, then those of the other watched models (the replay's watch holds them all) that its forward may call
     (a critic called inside the generator's forward, held by no attribute), each named in its own model."""
     data_parallel = data_parallel_paths(target)
-    named = [(user_name(name, data_parallel), p, True) for name, p in target.named_parameters() if p.requires_grad]
+    named: list[tuple[str, torch.Tensor, bool]] = [
+        (user_name(name, data_parallel), p, True) for name, p in target.named_parameters() if p.requires_grad]
     seen = {id(p) for _name, p, _own in named}
     for _label, root in inner.targets.roots:
         if root is target:
