@@ -34,7 +34,7 @@ def _pair() -> tuple[nn.Sequential, nn.Sequential]:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_discovered_gan_names_the_discriminator_by_its_variable(mode: str) -> None:
-    G, D = _pair()  # noqa: N806 (a GAN's names)
+    G, D = _pair()
     with torch.no_grad():
         D[0].weight.zero_()
         D[0].bias.zero_()
@@ -47,7 +47,7 @@ def test_a_discovered_gan_names_the_discriminator_by_its_variable(mode: str) -> 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_discovered_generator_called_through_a_helper_is_named_by_its_callers_variable(mode: str) -> None:
-    G, D = _pair()  # noqa: N806
+    G, D = _pair()
 
     def forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return net(x)
