@@ -10,7 +10,7 @@ optimizer steps: the op and its line in every mode (the update code's records ar
 Further: a critic watched as a model of its own but called inside the generator's forward (its forward producer and
 its parameter's own gradient, named in it by the tiered replay too); a model rebuilt mid-run under ``watch()``
 (``model#2``); two ``DataParallel`` wrappers labelled by the class they hold; an actor-critic sharing a trunk; one
-Adam over two models' param groups.
+Adam over two models' param groups (a block two models share: hunt_s42b_shared.py).
 Each with a healthy twin: the same code with an eps, a guard, or healthy data.
 """
 
