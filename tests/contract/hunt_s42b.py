@@ -146,15 +146,16 @@ def _twins_batch_norm(peak: float) -> Scenario:
 
 def _side_by_side(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer],
                   inputs: Sequence[Sequence[torch.Tensor]], ys: Sequence[torch.Tensor], steps: int,
-                  update: Callable[[int], None] = lambda step: None) -> Callable[[], list[torch.Tensor]]:
-    """Both models trained on one summed loss, each by its own optimizer; ``update(step)`` runs between backward
-    and the steps (the loop's gradient code)."""
+                  update: Callable[[int], None] = lambda step: None, quiet: int = 1
+                  ) -> Callable[[], list[torch.Tensor]]:
+    """Both models trained on one summed loss, each by its own optimizer, the second's loss weighted 0 at step
+    ``quiet`` (a warmup); ``update(step)`` runs between backward and the steps (the loop's gradient code)."""
 
     def run() -> list[torch.Tensor]:
         losses = []
         for step in range(steps):
             first, second = (F.mse_loss(model(xs[step]), ys[step]) for model, xs in zip(models, inputs))
-            loss = first + (0.0 if step == 1 else 1.0) * second
+            loss = first + (0.0 if step == quiet else 1.0) * second
             for opt in opts:
                 opt.zero_grad()
             loss.backward()
@@ -168,11 +169,12 @@ def _side_by_side(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optimi
 
 
 # ---------------------------------------------------------------- the loop normalising the second model's gradients
-def _twins_normalised(eps: float, first_steps_between: bool = False) -> Scenario:
+def _twins_normalised(eps: float, quiet: int = 1, optimizers_given: bool = False) -> Scenario:
     """Two models of one class, one optimizer each; the loop normalises the second's gradients by hand
     (``p.grad /= p.grad.norm()``, a LARS-like trust ratio) before the steps; its loss warms up from a weight of 0 at
-    step 1, so its gradients are exactly 0: ``0 / 0``. ``first_steps_between``: the first optimizer steps before the
-    normalisation (already named before this session). Twin: the norm has an eps."""
+    step ``quiet``, so its gradients are exactly 0: ``0 / 0``. At step 0 (``quiet`` 0) the second optimizer has not
+    been seen stepping when the first steps. ``optimizers_given``: passed to ``watch`` too. Twin: the norm has an
+    eps."""
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)) for _ in range(2)]
     opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in models]
@@ -183,7 +185,8 @@ def _twins_normalised(eps: float, first_steps_between: bool = False) -> Scenario
             assert p.grad is not None
             p.grad /= p.grad.norm() + eps  # producer: trust ratio
 
-    return Scenario(tuple(models), _side_by_side(models, opts, (xs, xs), ys, 3, normalise))
+    run = _side_by_side(models, opts, (xs, xs), ys, 3, normalise, quiet)
+    return Scenario((*models, *opts) if optimizers_given else tuple(models), run)
 
 
 # ---------------------------------------------------------------- further: a model called inside another's forward
@@ -409,6 +412,10 @@ _SPARSE_ROWS_GAP = (
     "gradient's values tensor (``_values()``), which neither the update code's claim nor the op tracer follows back "
     "to the sparse gradient that holds it.")
 
+_FOUND_OPTIMIZER_STEP = (
+    "step 1, not 0: optimizers not given to watch() are counted as they are seen stepping, so the second one's "
+    "check at iteration 0 runs after the first's step completed one (the same in every mode; given, it is step 0).")
+
 CASES = [
     Case("hunt_s42b_second_tower_sparse_gradient_rows_normalised", lambda: _sparse_towers(0.0),
          Expect("backward", "0", "Embedding", step=1, op="aten.div_.Tensor", marker="sparse rows",
@@ -432,6 +439,14 @@ CASES = [
          Expect("backward", None, step=1, op="aten.div_.Tensor", marker="trust ratio",
                 tensor=TensorRef.gradient("0.weight"), model="Sequential#2")),
     Case("hunt_s42b_second_model_gradients_normalised_healthy", lambda: _twins_normalised(1e-12), None),
+    Case("hunt_s42b_second_model_gradients_normalised_at_step_0", lambda: _twins_normalised(0.0, 0, True),
+         Expect("backward", None, step=0, op="aten.div_.Tensor", marker="trust ratio",
+                tensor=TensorRef.gradient("0.weight"), model="Sequential#2")),
+    Case("hunt_s42b_second_model_gradients_normalised_at_step_0_optimizers_found",
+         lambda: _twins_normalised(0.0, 0), Expect(
+             "backward", None, step=1, op="aten.div_.Tensor", marker="trust ratio",
+             tensor=TensorRef.gradient("0.weight"), model="Sequential#2"), note=_FOUND_OPTIMIZER_STEP),
+    Case("hunt_s42b_second_model_gradients_normalised_at_step_0_healthy", lambda: _twins_normalised(1e-12, 0), None),
     Case("hunt_s42b_a_model_called_inside_another_models_forward", lambda: _inner_model(True),
          Expect("forward", "log", "LogScale", step=2, op="aten.log.default", marker="log scale", model="Critic")),
     Case("hunt_s42b_a_model_called_inside_another_models_forward_healthy", lambda: _inner_model(False), None),
