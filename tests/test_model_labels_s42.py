@@ -68,3 +68,25 @@ def test_two_models_of_a_list_found_by_a_notebook_cell_get_two_labels(ip) -> Non
         ip.run_cell("%%nantrace\nnets[1](nets[0](torch.randn(5, 4))).mean().backward()")
     report = ip.user_ns["_nan_report"]
     assert (report.model, report.module, report.models_watched) == ("Sequential#2", "1", 2)
+
+
+def test_learning_a_discovered_models_name_keeps_none_of_the_loops_tensors_alive() -> None:
+    """The discriminator joins while the loop's frame holds the generator's output (its graph): reading the frame's
+    names for its label must not keep that output alive for the rest of the run (a function's ``f_locals``
+    snapshot, before Python 3.13)."""
+    import gc
+    import weakref
+
+    G, D = _pair()
+    opt = torch.optim.SGD([*G.parameters(), *D.parameters()], lr=0.1)
+    with nan_magic.watch():
+        for step in range(3):
+            fake = G(torch.randn(3, 4))
+            if step == 0:
+                first = weakref.ref(fake)
+            D(fake).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        del fake
+        gc.collect()
+        assert first() is None

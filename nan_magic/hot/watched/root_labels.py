@@ -13,6 +13,7 @@ own (``models[1](x)``, ``self.critic(x)``), its class names it, numbered from th
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Collection
 from types import FrameType
@@ -22,6 +23,9 @@ from torch import nn
 from nan_magic.errors.frames import is_library_code
 
 __all__ = ["distinct_label", "name_in_callers"]
+
+#: Whether a function frame's ``f_locals`` is a snapshot the frame keeps (PEP 667 made it a view in 3.13).
+_SNAPSHOTS = sys.version_info < (3, 13)
 
 #: How many of the user's frames out from the call are asked for a name (a loop, a helper or two, the script).
 FRAMES_ASKED = 8
@@ -50,8 +54,15 @@ def name_in_callers(module: nn.Module, taken: Collection[str | None]) -> str | N
 
 
 def _bound_names(frame: FrameType, module: nn.Module) -> list[str]:
-    return [name for scope in (frame.f_locals, frame.f_globals) for name, value in list(scope.items())
-            if value is module and not name.startswith("_") and name != "self"]
+    local = frame.f_locals
+    names = [name for scope in (local, frame.f_globals) for name, value in list(scope.items())
+             if value is module and not name.startswith("_") and name != "self"]
+    if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and local is not frame.f_globals:
+        # Before Python 3.13 a function's ``f_locals`` is a snapshot the frame keeps: it would hold what the loop's
+        # locals were at the join (the generator's output, its graph, when D joins) for as long as the loop runs.
+        # Emptied, it holds nothing; CPython fills it afresh wherever it is read (``locals()``, a tracer's call).
+        local.clear()
+    return names
 
 
 def _parameters(frame: FrameType) -> tuple[str, ...]:
