@@ -273,7 +273,7 @@ def test_a_compiled_submodule_and_a_discovered_compiled_model_run_eagerly_under_
     assert report.source is not None and report.source.lineno == _marked("eager log")
     assert len(_eager_notices(caught)) == 1
     compiled = torch.compile(_log_model(), backend="aot_eager")
-    notice = pytest.warns(nan_magic.NanMagicWarning, match="Sequential is compiled")  # the user's class, discovered
+    notice = pytest.warns(nan_magic.NanMagicWarning, match="compiled is compiled")  # the user's name, discovered
     with notice, pytest.raises(NonFiniteError) as error, nan_magic.watch(ops=True):
         compiled(batch)
     assert (error.value.report.module, error.value.report.op) == ("0", "aten.log.default")

@@ -474,8 +474,12 @@ class Watch(WatchEvents):
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
         """The full watch a step replay runs ``model`` under (replay/tiered/step.py): a watch like any other."""
-        # The whole model is watched, so that a submodule called at top level keeps its qualified name.
-        inner = Watch([model], labels=[label], config=config, replay_of=self)
+        # The whole model is watched, so that a submodule called at top level keeps its qualified name; so are the
+        # other watched models, after it (its names first): one its forward calls (a GAN's ``D`` called in ``G``'s
+        # forward, held by no attribute) is named in its own model, not as the replayed model's own code.
+        others = [(other_label, root) for other_label, root in self.targets.roots if root is not model]
+        inner = Watch([model, *(root for _label, root in others)], labels=[label, *(other for other, _root in others)],
+                      config=config, replay_of=self)
         # It measures every call, a ReLU's too, which the watch passes through on a finite input (transparent.py):
         # the report's layer table lists every module of the step with its numbers.
         for key, info in (modules := inner.targets.modules).items():

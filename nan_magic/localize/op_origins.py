@@ -476,7 +476,8 @@ class OpOrigins:
         if finding.module is not None and finding.module_type is None:
             info = self._info_by_name(finding.module, finding.model) or self._info_by_name(finding.module)
             if info is not None:
-                finding.module_type, finding.model = info.module_type, info.model
+                # (A module two models share is named once, under the first: the model its call named stays.)
+                finding.module_type, finding.model = info.module_type, finding.model or info.model
 
 
 def _holds_line(code: Any, source: Any) -> bool:

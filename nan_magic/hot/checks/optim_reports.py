@@ -213,14 +213,27 @@ def _holder(roots: list[tuple[str | None, torch.nn.Module]], finding: Finding, p
     bad, gradient = finding.bad, finding.tensor.role is TensorRole.PARAMETER_GRADIENT
     if bad is None:
         return None
-    strided = bad.layout is torch.strided
     for _label, root in roots:
         for own in root.parameters():
             held = own.grad if gradient else own
-            if held is bad or (strided and held is not None and held.layout is torch.strided
-                               and held.data_ptr() == bad.data_ptr() and held.shape == bad.shape):
+            if held is not None and (held is bad or _same_memory(held, bad)):
                 return root
     return None
+
+
+def _same_memory(held: torch.Tensor, bad: torch.Tensor) -> bool:
+    """Whether ``bad`` (a detached view) is ``held``'s values: by memory, as ``detach()`` made a new object. A sparse
+    gradient (``nn.Embedding(sparse=True)``) has no data pointer of its own: its values' and indices' are compared."""
+    if held.layout is not bad.layout or held.shape != bad.shape:
+        return False
+    if held.layout is torch.strided:
+        return held.data_ptr() == bad.data_ptr()
+    if held.layout is torch.sparse_coo:
+        return (held._values().data_ptr() == bad._values().data_ptr()
+                and held._indices().data_ptr() == bad._indices().data_ptr())
+    if held.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return held.values().data_ptr() == bad.values().data_ptr()
+    return False
 
 
 def _running(code: CodeType) -> FrameType | None:

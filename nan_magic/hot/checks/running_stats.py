@@ -56,8 +56,12 @@ _Slot = tuple[str, str, nn.Module, dict[str, torch.Tensor | None], str]
 class RunningStats:
     """The running-statistics buffers one optimizer's models write, read at its step."""
 
-    def __init__(self, slots: list[_Slot], candidates: list[tuple[_Slot, int]]) -> None:
+    def __init__(self, slots: list[_Slot], candidates: list[tuple[_Slot, int]],
+                 models: dict[int, str | None] | None = None) -> None:
         self.slots = slots
+        #: The label of the watched model that holds each owner (by ``id``): two models of one class, a GAN's G and
+        #: D, both have a ``1.running_var``, and a report must say whose. Read at an event only.
+        self.models = models or {}
         #: Reads made: every one before the last found them finite (one that did not stops the read of that buffer).
         self.reads = 0
         #: The other floating buffers, with their version when the layout was built: one whose version a forward
@@ -116,6 +120,7 @@ class RunningStats:
             slot = self.slots.pop(index)
             finding = Finding(Phase.FORWARD, None, TensorRef(TensorRole.BUFFER, name), bad=buffer.detach())
             finding.module, finding.module_type = module, user_type(owner)
+            finding.model = self.models.get(id(owner))
             finding.cause = _overflow_cause(finding, owner, key, buffer, self.reads > 1, id(slot) in self.learned)
             return finding
         return None
@@ -130,7 +135,8 @@ def running_stats_of(roots: Iterable[tuple[str | None, nn.Module]], parameters: 
     the buffers that step's forward wrote at once."""
     slots: list[_Slot] = []
     candidates: list[tuple[_Slot, int]] = []
-    for _label, root in roots:
+    models: dict[int, str | None] = {}
+    for label, root in roots:
         if not any(id(parameter) in parameters for parameter in root.parameters()):
             continue
         data_parallel = data_parallel_paths(root)
@@ -142,11 +148,12 @@ def running_stats_of(roots: Iterable[tuple[str | None, nn.Module]], parameters: 
                 if key == "num_batches_tracked" or not is_checkable(buffer) or buffer is None:
                     continue
                 slot = (f"{name}.{key}" if name else key, name, module, owned, key)
+                models.setdefault(id(module), label)
                 if running:
                     slots.append(slot)
                 elif not buffer.is_inference():
                     candidates.append((slot, versions.get(id(buffer), buffer._version)))
-    return RunningStats(slots, candidates) if slots or candidates else None
+    return RunningStats(slots, candidates, models) if slots or candidates else None
 
 
 def _overflow_cause(finding: Finding, owner: nn.Module, key: str, buffer: torch.Tensor, read_before: bool,

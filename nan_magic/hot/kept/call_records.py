@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "FIRST_ARGUMENT", "Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "argument_path", "argument_tensors",
-    "consumer_of", "gradient_label", "nested_values",
+    "calling_model", "consumer_of", "gradient_label", "nested_values",
 ]
 
 _NONE: frozenset[str] = frozenset()
@@ -227,6 +227,24 @@ class TensorRecord:
 def _gone() -> None:
     """A dead reference: what :meth:`TensorRecord.finite` records point to."""
     return None
+
+
+def calling_model(call: Call) -> str | None:
+    """The label of the model whose call ran ``call``: its module's own, except for a module two models share (one
+    encoder in an encoder and a decoder model, named once, under the first), run by the other one, the nearest
+    enclosing model call that holds it (a model called inside another's forward is its own). At an event only."""
+    info = call.info
+    if info is None or info.is_root:
+        return None if info is None else info.model
+    parent = call.parent
+    while parent is not None and (parent.info is None or not parent.info.is_root):
+        parent = parent.parent
+    if parent is None or parent.info is None or parent.info.model == info.model:
+        return info.model
+    outer, module = parent.module, call.module
+    if isinstance(outer, torch.nn.Module) and any(held is module for held in outer.modules()):
+        return parent.info.model
+    return info.model
 
 
 class Call:

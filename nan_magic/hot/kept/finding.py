@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nan_magic.hot.kept.call_records import Call, TensorRecord
+from nan_magic.hot.kept.call_records import Call, TensorRecord, calling_model
 from nan_magic.hot.kept.rng import RngState
 from nan_magic.records import AbsorbedOp, Cause, Note, Phase, Sample, SourcePointer, TensorRef, TensorRole, TensorStats
 
@@ -96,7 +96,7 @@ class Finding:
         if self.call is not None and self.call.info is not None and self.module is None:
             self.module = self.call.info.name
             self.module_type = self.call.info.module_type
-            self.model = self.call.info.model
+            self.model = calling_model(self.call)
 
 
 def mark_deliberate(finding: Finding, how: str, **facts: Any) -> Finding:

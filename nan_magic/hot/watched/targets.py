@@ -21,6 +21,7 @@ from torch import nn
 from nan_magic.distributed.ranks import data_parallel_paths, user_path, user_type
 from nan_magic.hot.watched.deterministic import draws_no_random, generators_of
 from nan_magic.hot.watched.module_hooks import is_compiled
+from nan_magic.hot.watched.root_labels import distinct_label, name_in_callers
 from nan_magic.hot.watched.transparent import Transparency, transparency
 from nan_magic.options import WatchConfig
 
@@ -128,8 +129,18 @@ class Targets:
         if isinstance(module, torch.jit.ScriptModule):
             return None  # TorchScript runs its submodules where no hook sees them (resolve_targets): unwatched
         if self.name_new is not None:
-            return self.name_new(module)
-        return user_type(module) if self.discover else None  # a compiled or DDP model: the class the user wrote
+            # (A notebook's name for it, or its class: two models in a list have no name and one class.)
+            label = self.name_new(module)
+            return distinct_label(label, [taken for taken, _root in self.roots]) if label is not None else None
+        if not self.discover:
+            return None
+        original = getattr(module, "_orig_mod", None) if is_compiled(module) else None
+        if original is not None and (same := [label for label, root in self.roots if root is original]):
+            return same[0]  # ``torch.compile(model)`` of a model that joined: under its label, as join() says why
+        # The name the user's code calls it by, else its class (a compiled or DDP model: the class the user wrote),
+        # never a label another model joined under (root_labels.py).
+        taken = [label for label, _root in self.roots]
+        return name_in_callers(module, taken) or distinct_label(user_type(module), taken)
 
     def admit_optimizer(self, opt: torch.optim.Optimizer) -> bool:
         """Whether an optimizer that is not a target joins the watch (see :attr:`name_new`): also one that steps a
@@ -298,7 +309,7 @@ def _default_model_labels(targets: list[Any], labels: list[str | None]) -> list[
     models = [index for index, target in enumerate(targets) if isinstance(target, nn.Module)]
     if len(models) < 2:
         return labels
-    names = {index: type(targets[index]).__name__ for index in models if labels[index] is None}
+    names = {index: user_type(targets[index]) for index in models if labels[index] is None}  # (DDP: the class held)
     taken = Counter(label for label in labels if label is not None)
     repeated = Counter(names.values())
     result = list(labels)

@@ -142,6 +142,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         self.then_forget: OutsideRecorder | None = None  # forgotten with the next forget (the update region's records)
         self.read_number = False  # whether the region's code read a number (``.item()``: update_recorder.py)
         self._through_step: OutsideRecorder | None = None  # then_forget, kept through the optimizer step (forget)
+        self._through_next = False  # _through_step is kept through the data region's start after the step too
         self._data_kept = 0  # bytes the held data records keep (at most KEEP_TOTAL: _hold_update_region)
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None:
@@ -266,7 +267,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             self.graph_grad_sites.add((frame.f_code, frame.f_lasti))
         return False
 
-    def forget(self, last: bool = False, stepping: bool = False) -> None:
+    def forget(self, last: bool = False, stepping: bool = False, others: bool = False) -> None:
         """Drop the records (and the references they hold); ``last``: the last step's loss code too (the watch ends).
 
         A loss region's records (its backward ended, or its optimizer step began) are kept instead as the last
@@ -274,14 +275,19 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         step begins; with :attr:`keep_last`, detached or weak until the next step's, for a fix trial at its forward.
         ``stepping``: the step runs next; the update region's records that read a number (``lr = size.item()``) stay
         through it (as held until then) for its check to name the op that made a non-finite rate (loop_writes.py).
+        ``others``: another optimizer is watched; the update region's records stay until the next model call or
+        optimizer step, whose check may judge a gradient they wrote (two models, one optimizer each: ``p.grad /=
+        p.grad.norm()`` on the second's gradients, judged at its own step, after the first's).
         """
-        if self._through_step is not None:
+        if self._through_step is not None and (stepping or last or not self._through_next):
             kept, self._through_step = self._through_step, None
             kept.forget()
+        self._through_next = False
         if self.then_forget is not None:  # the update region's records, held for the step's check (loop_writes)
             held, self.then_forget = self.then_forget, None
-            if stepping and held.read_number and held._held_bytes <= KEEP_TOTAL:
+            if stepping and (held.read_number or others) and held._held_bytes <= KEEP_TOTAL:
                 self._through_step = held  # (what they held until the step began, held through it too)
+                self._through_next = others  # (and through the data region's start after it: step_judged)
             else:
                 held.forget()
         if last:

@@ -179,8 +179,8 @@ class UpdateRecorder(OutsideRecorder):
         self.start("update")
         self.watching = self.pushed
 
-    def forget(self, last: bool = False, stepping: bool = False) -> None:
-        super().forget(last, stepping)
+    def forget(self, last: bool = False, stepping: bool = False, others: bool = False) -> None:
+        super().forget(last, stepping, others)
         self._copied = 0
         self.read_number = False
         self._library = (None, None)

@@ -96,6 +96,25 @@ class ReplayWatch(Protocol):
     ) -> Any: ...
 
 
+def _differentiated(inner: ReplayWatch, target: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, parameter, the replayed model's own)`` of each parameter the replay's backward differentiates: the
+    model's, then those of the other watched models (the replay's watch holds them all) that its forward may call
+    (a critic called inside the generator's forward, held by no attribute), each named in its own model."""
+    data_parallel = data_parallel_paths(target)
+    named: list[tuple[str, torch.Tensor, bool]] = [
+        (user_name(name, data_parallel), p, True) for name, p in target.named_parameters() if p.requires_grad]
+    seen = {id(p) for _name, p, _own in named}
+    for _label, root in inner.targets.roots:
+        if root is target:
+            continue
+        paths = data_parallel_paths(root)
+        for name, p in root.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                named.append((user_name(name, paths), p, False))
+    return named
+
+
 def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[str, torch.Tensor], output: Any,
                     boundary: TensorRef | None, inputs: list[torch.Tensor],
                     originals: dict[str, torch.Tensor] | None = None, input_paths: list[str] | None = None
@@ -124,25 +143,24 @@ def replay_backward(inner: ReplayWatch, target: nn.Module, output_grads: dict[st
         for path, tensor in iter_tensors(output, "output", attributes=True)
         if path in output_grads and tensor.requires_grad
     ])
-    data_parallel = data_parallel_paths(target)
-    named = [(user_name(name, data_parallel), p) for name, p in target.named_parameters() if p.requires_grad]
+    named = _differentiated(inner, target)
     if not pairs or not (named or inputs):
         return None
     every = torch.autograd.grad(
-        [tensor for tensor, _grad in pairs], [*(p for _name, p in named), *inputs],
+        [tensor for tensor, _grad in pairs], [*(p for _name, p, _own in named), *inputs],
         grad_outputs=[grad for _tensor, grad in pairs], allow_unused=True,
     )
     grads = every[: len(named)]
     found = None
-    for (name, _parameter), grad in zip(reversed(named), reversed(grads)):
+    for (name, parameter, own), grad in zip(reversed(named), reversed(grads)):
         if grad is None or not relevant_kinds(kinds_of(grad), inner.config.kinds):
             continue
-        if TensorRef.gradient(name) == boundary:
+        if own and TensorRef.gradient(name) == boundary:
             found = tensor_stats(grad)
         if inner.report is None:
             finding = Finding(Phase.BACKWARD, None, TensorRef.gradient(name), bad=grad.detach())
             finding.notes.append(Note("own-gradient-formula"))
-            inner.optimizers.reports.attribute(finding)
+            inner.optimizers.reports.attribute(finding, None if own else parameter)
             inner.origins.add_op_origin(finding, grad)
             inner.emit(finding)
     if inner.report is None:
