@@ -129,9 +129,12 @@ class Targets:
         if isinstance(module, torch.jit.ScriptModule):
             return None  # TorchScript runs its submodules where no hook sees them (resolve_targets): unwatched
         if self.name_new is not None:
-            # (A notebook's name for it, or its class: two models in a list have no name and one class.)
+            # A notebook's name for it, which a model the cell rebuilds takes over (``model = Net()``: the name is the
+            # new one's now); or its class, numbered: two models in a list have no name and one class.
             label = self.name_new(module)
-            return distinct_label(label, [taken for taken, _root in self.roots]) if label is not None else None
+            if label is None or label != type(module).__name__:
+                return label
+            return distinct_label(label, [taken for taken, _root in self.roots])
         if not self.discover:
             return None
         original = getattr(module, "_orig_mod", None) if is_compiled(module) else None
