@@ -345,9 +345,10 @@ class StepCycle(CycleExit):
             if self.outside is not None and self._here.mine:
                 # The step is judged (the deferred check too): the loss code's records go (the update code's that read
                 # a number stay through the step, and with another optimizer to step, to its check: recorder.forget;
-                # at the watch's first step, one not seen stepping yet may follow).
+                # at the first step of a watch given no optimizer, one not seen stepping yet may follow).
                 optimizers = self.optimizers
-                self.outside.forget(stepping=True, others=len(optimizers.seen) > 1 or optimizers.step_calls == 1)
+                self.outside.forget(stepping=True, others=len(optimizers.seen) > 1 or (
+                    optimizers.step_calls == 1 and not optimizers.watch.targets.optimizers))
                 self.gradients.loss_graph = None  # (forget_loss_graph, inlined: every step)
 
     def on_step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
