@@ -211,14 +211,13 @@ def live_calls(frame: FrameType) -> Chain:
     depths stay apart."""
     replayed: list[tuple[FrameType, int, int]] = []
     running: list[tuple[FrameType, int, int]] = []
+    above_ours = False  # (past the watch's own first frame: the user's frames there were running)
     current = frame.f_back
     while current is not None:
-        if not running and current.f_code.co_filename.startswith(_OWN_DIR):
-            running.append((current, -1, -1))  # (the watch's own frame: the user's above it were running)
-        elif not passed_over(current.f_code):
-            (running if running else replayed).append((current, current.f_lasti, current.f_lineno))
+        above_ours = above_ours or current.f_code.co_filename.startswith(_OWN_DIR)
+        if not passed_over(current.f_code):
+            (running if above_ours else replayed).append((current, current.f_lasti, current.f_lineno))
         current = current.f_back
-    running = running[1:]
     if not running:
         return tuple(reversed(replayed))
     outer, inner = list(reversed(running)), list(reversed(replayed))
