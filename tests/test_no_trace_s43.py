@@ -1,0 +1,250 @@
+"""The watch never leaves a trace on the user's program (PRODUCT.md), however the watch ends (trace-s43).
+
+The checker (no_trace_state.py) dumps the process's state and the user's objects' state; each case runs a training
+loop with a model that draws random numbers (dropout), an Adam optimizer, a scheduler and a GradScaler, once
+unwatched and once under ``watch()`` in every mode, and compares: (a) a healthy loop, (b) a NaN the watch reports and
+the loop goes on (``on_detect="warn"``) or that it raises, (c) the user's own exception, (d) a KeyboardInterrupt,
+(e) a watch nested in another and one entered again after it. The twins must end bit-identical, RNGs included; the
+process's state after the watch must be what it was before it (the dynamo stance a user set, their ``locals()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy
+import pytest
+import torch
+from no_trace_state import differences, global_state, object_state
+from torch import nn
+
+import nan_magic
+
+MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "full": {"mode": "full"},
+                                    "ops": {"ops": True}, "ops-defer": {"ops": True, "defer": True}}
+NAN_STEP = 2
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # a batch below 0 makes NaN
+
+
+class Parts:
+    """A user's training setup, the same for a seed."""
+
+    def __init__(self) -> None:
+        random.seed(0)
+        numpy.random.seed(0)
+        torch.manual_seed(0)
+        self.model = nn.Sequential(Log(), nn.Linear(6, 6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 2))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        self.stance_set: Any = None
+
+    def state(self, identities: bool = True) -> dict[str, Any]:
+        return object_state(self.model, self.optimizer, self.scheduler, self.scaler, identities)
+
+
+def train(parts: Parts, watch: Callable[[], Any], case: str, steps: int = 4) -> tuple[dict[str, Any], list[Any]]:
+    """The user's loop under ``watch()``: its own ``locals()`` snapshot and the gradients its last step saw."""
+    model, optimizer, scheduler, scaler = parts.model, parts.optimizer, parts.scheduler, parts.scaler
+    env = locals()  # the user's own: kept as they took it
+    seen: list[Any] = []
+    with watch():
+        for step in range(steps):
+            shift = -30.0 if case.startswith("nan") and step == NAN_STEP else 0.5
+            batch = torch.rand(4, 6) + shift
+            if case == "raise" and step == NAN_STEP:
+                raise ValueError("the user's own error")
+            if case == "interrupt" and step == NAN_STEP:
+                raise KeyboardInterrupt
+            if case == "stance" and step == 1:
+                torch.compiler.set_stance("eager_on_recompile")  # the user's, inside the watch: it holds
+                parts.stance_set = torch._dynamo.eval_frame._stance
+            hidden = model[:2](batch)
+            if case == "interrupt-backward" and step == NAN_STEP:
+                hidden.register_hook(_interrupt)  # (Ctrl-C landing in the backward)
+            if case == "interrupt-forward" and step == NAN_STEP:
+                hidden = _interrupt(hidden)
+            loss = model[2:](hidden).pow(2).mean() + 0.001 * random.random() + 0.001 * float(numpy.random.rand())
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            seen = [p.grad for p in model.parameters()]
+    return env, seen
+
+
+def _interrupt(value: Any) -> Any:
+    raise KeyboardInterrupt
+
+
+def _run(case: str, watch: Callable[[Parts], Callable[[], Any]] | None) -> tuple[Parts, dict[str, Any], Any, Any]:
+    parts = Parts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcome: Any = None
+        env: Any = None
+        try:
+            env, seen = train(parts, watch(parts) if watch is not None else contextlib.nullcontext, case)
+            outcome = [g is p.grad for g, p in zip(seen, parts.model.parameters())]
+        except (ValueError, KeyboardInterrupt, nan_magic.NonFiniteError) as error:
+            outcome = type(error).__name__
+    return parts, global_state(), outcome, env
+
+
+def _watch_of(options: dict[str, Any], on_detect: str = "raise") -> Callable[[Parts], Callable[[], Any]]:
+    return lambda parts: lambda: nan_magic.watch(**options, on_detect=on_detect)
+
+
+def _nested(options: dict[str, Any]) -> Callable[[Parts], Callable[[], Any]]:
+    """A watch of the model (default mode) with one in ``options`` nested inside, and one more entered after."""
+    @contextlib.contextmanager
+    def both(parts: Parts) -> Iterator[None]:
+        with nan_magic.watch(parts.model, parts.optimizer):
+            with nan_magic.watch(parts.model, parts.optimizer, **options):
+                pass
+            yield
+        with nan_magic.watch(**options):
+            pass
+    return lambda parts: lambda: both(parts)
+
+
+CASES: dict[str, Callable[[dict[str, Any]], Callable[[Parts], Callable[[], Any]]]] = {
+    "healthy": _watch_of, "nan-warned": lambda options: _watch_of(options, "warn"), "nan-raised": _watch_of,
+    "raise": _watch_of, "interrupt": _watch_of, "interrupt-forward": _watch_of, "interrupt-backward": _watch_of,
+    "nested": _nested, "stance": _watch_of,
+}
+#: What the loop ends with, unwatched and watched.
+ENDS = {"healthy": [True] * 4, "nan-warned": [True] * 4, "nan-raised": "NonFiniteError", "raise": "ValueError",
+        "interrupt": "KeyboardInterrupt", "interrupt-forward": "KeyboardInterrupt",
+        "interrupt-backward": "KeyboardInterrupt", "nested": [True] * 4, "stance": [True] * 4}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_watch_leaves_no_trace_on_the_process_or_the_users_objects(mode: str, case: str) -> None:
+    twin, twin_globals, twin_end, _ = _run(case, None)  # (first: torch's own first-use changes, Adam.step's)
+    if case == "stance":
+        torch.compiler.set_stance("default")
+        twin_globals["stance"] = torch._dynamo.eval_frame._stance
+    before = global_state()
+    assert differences(twin_globals, before) == {}
+    parts, after, end, env = _run(case, CASES[case](MODES[mode]))
+    if case == "stance":
+        stance = after.pop("stance")
+        assert stance is parts.stance_set  # the very stance the user set, inside the watch and after it
+        torch.compiler.set_stance("default")
+        before.pop("stance")
+    assert differences(before, after) == {}
+    assert end == ENDS[case] if case != "nan-raised" else end == "NonFiniteError"
+    if case != "nan-raised":  # (the twin has no watch to stop it at the NaN)
+        assert twin_end == end
+        assert differences(twin.state(identities=False), parts.state(identities=False)) == {}
+    assert all(not ids for hooks in parts.state()["module hook ids"].values() for ids in hooks.values())
+    if env is not None:  # the user's ``locals()``: never emptied (before 3.13 a read of the frame's f_locals
+        # refreshes it to the frame's current locals, as the user's own ``locals()`` call would: not compared)
+        assert {"case", "env", "model", "optimizer", "parts", "scaler", "scheduler", "steps", "watch"} <= env.keys()
+        assert env["model"] is parts.model and env["env"] is env
+
+
+@pytest.mark.parametrize("case", ["healthy", "nan-raised", "raise", "interrupt-forward", "interrupt-backward"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_stance_the_user_set_before_the_watch_is_theirs_again_after_it(mode: str, case: str) -> None:
+    """The very stance object, whether the watch ended well, reported, or was left by an error or an interrupt."""
+    torch.compiler.set_stance("fail_on_recompile")
+    theirs = torch._dynamo.eval_frame._stance
+    try:
+        _, _, end, _ = _run(case, CASES[case](MODES[mode]))
+        assert end == ENDS[case]
+        assert torch._dynamo.eval_frame._stance is theirs
+    finally:
+        torch.compiler.set_stance("default")
+
+
+def _stance() -> Any:
+    return torch._dynamo.eval_frame._stance
+
+
+@pytest.mark.parametrize("mode", ["full", "ops", "ops-defer"])
+def test_a_stance_the_user_sets_around_a_compiled_models_call_in_the_watch_is_theirs_after_it(mode: str) -> None:
+    """The full watch runs a compiled model eagerly from its first call (module_hooks.py); a stance the user sets
+    after that call is theirs, inside and after; one they set in a ``with`` inside gives the watch's back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    compiled = torch.compile(model, backend="eager")
+    before = _stance()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with nan_magic.watch(compiled, **MODES[mode]) as w:
+                compiled(torch.rand(2, 4)).sum().backward()
+                watchs = _stance()
+                assert watchs.stance == "force_eager"
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    assert _stance().stance == "eager_on_recompile"
+                    compiled(torch.rand(2, 4)).sum().backward()
+                assert _stance() is watchs  # their with statement gave the watch's back
+                torch.compiler.set_stance("fail_on_recompile")
+                theirs = _stance()
+                assert _stance() is theirs
+                # The watch's next call of the compiled model needs force_eager again: without it dynamo would
+                # compile the watch's hooks in, and the user's fail_on_recompile would raise on healthy code.
+                compiled(torch.rand(2, 4)).sum().backward()
+                assert _stance().stance == "force_eager"
+            assert w.report is None
+            assert _stance() is theirs
+        finally:
+            torch.compiler.set_stance("default")
+    assert before.stance == "default"
+
+
+def test_watches_left_out_of_order_give_back_the_stance_from_before_the_first() -> None:
+    """A watch outliving the one it was entered in (``%nanwatch on`` across cells) never leaves a watch's stance."""
+    from nan_magic.hot.watched.eager_stance import eager_stance
+
+    torch.compiler.set_stance("eager_on_recompile")
+    theirs = _stance()
+    try:
+        first, second = eager_stance(), eager_stance()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert _stance().stance == "force_eager"  # the second watch is still on
+        second.__exit__(None, None, None)
+        assert _stance() is theirs
+        first, second = eager_stance(), eager_stance()
+        first.__enter__()
+        torch.compiler.set_stance("default")
+        second.__enter__()
+        first.__exit__(None, None, None)
+        second.__exit__(None, None, None)
+        assert _stance().stance == "default"  # the user's call in between: theirs
+    finally:
+        torch.compiler.set_stance("default")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_users_locals_snapshot_is_never_emptied_by_naming_a_discovered_model(mode: str) -> None:
+    """``env = locals()`` in the training function: the discovering watch reads the frame's names for the model's
+    label (root_labels.py), and before Python 3.13 that is the very dict the user holds."""
+    def training() -> dict[str, Any]:
+        torch.manual_seed(0)
+        critic = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        optimizer = torch.optim.SGD(critic.parameters(), lr=0.1)
+        env = locals()
+        with nan_magic.watch(**MODES[mode]) as w:
+            critic(torch.rand(2, 3)).sum().backward()
+            optimizer.step()
+        assert w.targets.labels() if hasattr(w.targets, "labels") else True
+        return env
+
+    env = training()
+    assert env["critic"] is not None and isinstance(env["optimizer"], torch.optim.SGD) and env["env"] is env
