@@ -8,8 +8,10 @@ plain values compared with ``==`` (tensors as lists, NaN as a string), so a fail
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -99,6 +101,20 @@ def global_state() -> dict[str, Any]:
         "stance": eval_frame._stance,
         "dynamo counters": {key: dict(value) for key, value in counters.items() if value},
         "dynamo config": repr(sorted(torch._dynamo.config.get_config_copy().items())),
+        "autocast dtype": torch.get_autocast_dtype("cpu"), "autocast cache": torch.is_autocast_cache_enabled(),
+        "torch function": torch._C._is_torch_function_enabled(),
+        "functorch": torch._C._functorch.peek_interpreter_stack() is None,
+        "forward ad": torch.autograd.forward_ad._current_level,
+        "backends": (torch.backends.cudnn.enabled, torch.backends.cudnn.deterministic,
+                     torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled,
+                     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32),
+        "print options": dict(vars(torch._tensor_str.PRINT_OPTS)), "numpy print": numpy.get_printoptions(),
+        "gc": (gc.isenabled(), gc.get_threshold(), list(gc.callbacks)),
+        "threads alive": sorted(thread.name for thread in threading.enumerate()),
+        "environment": dict(os.environ),
+        "import system": (list(sys.path), list(sys.meta_path), list(sys.path_hooks)),
+        "showwarning": (warnings.showwarning, warnings.formatwarning),
+        "switch interval": sys.getswitchinterval(),
     }
     return state
 
@@ -125,6 +141,11 @@ def object_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: 
         "rng": plain(torch.get_rng_state()),
         "next draws": (_next_torch_draw(), random.getstate(), numpy.random.get_state()[1].tolist()),
     }
+    state["attributes"] = {f"{kind} {name}": sorted(vars(owner)) for kind, objects in (
+        ("module", list(model.named_modules())), ("parameter", list(model.named_parameters())),
+        ("object", [("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)]))
+        for name, owner in objects}
+    state["param groups"] = [sorted(group) for group in optimizer.param_groups]
     if identities:
         state["module hook ids"] = {name: _hooks(module, _MODULE_HOOKS) for name, module in model.named_modules()}
     return state

@@ -46,6 +46,8 @@ class Parts:
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=2, gamma=0.5)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
         self.stance_set: Any = None
+        self.batch: Any = None  # the loop's last batch, as the user's code left it
+        self.tensors = [*self.model.parameters(), *self.model.buffers()]
 
     def state(self, identities: bool = True) -> dict[str, Any]:
         return object_state(self.model, self.optimizer, self.scheduler, self.scaler, identities)
@@ -79,6 +81,7 @@ def train(parts: Parts, watch: Callable[[], Any], case: str, steps: int = 4) -> 
             scaler.update()
             scheduler.step()
             seen = [p.grad for p in model.parameters()]
+            parts.batch = batch
     return env, seen
 
 
@@ -95,8 +98,11 @@ def _run(case: str, watch: Callable[[Parts], Callable[[], Any]] | None) -> tuple
         try:
             env, seen = train(parts, watch(parts) if watch is not None else contextlib.nullcontext, case)
             outcome = [g is p.grad for g, p in zip(seen, parts.model.parameters())]
+            batch = parts.batch
+            assert (batch.requires_grad, batch.grad_fn, batch.grad, batch._version) == (False, None, None, 0)
         except (ValueError, KeyboardInterrupt, nan_magic.NonFiniteError) as error:
             outcome = type(error).__name__
+    assert all(a is b for a, b in zip(parts.tensors, [*parts.model.parameters(), *parts.model.buffers()]))
     return parts, global_state(), outcome, env
 
 
