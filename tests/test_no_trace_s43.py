@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -254,3 +255,113 @@ def test_a_users_locals_snapshot_is_never_emptied_by_naming_a_discovered_model(m
 
     env = training()
     assert env["critic"] is not None and isinstance(env["optimizer"], torch.optim.SGD) and env["env"] is env
+
+
+SETUP = """
+import torch, random
+from torch import nn
+torch.manual_seed(0)
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+model = nn.Sequential(Log(), nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 2))
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+"""
+#: The cell's loop: its step 2 makes NaN, raises the user's error or is interrupted (``{end}``).
+LOOP = """
+for step in range(4):
+    batch = torch.rand(4, 6) + 0.5
+    if step == 2:
+        {end}
+    loss = model(batch).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+ENDINGS = {"healthy": "pass", "nan": "batch = batch - 30", "raise": "raise ValueError('theirs')",
+           "interrupt": "raise KeyboardInterrupt"}
+
+
+def _shell_state(ip: Any) -> dict[str, Any]:
+    """What of the shell a magic could leave changed."""
+    formatters = ip.display_formatter.formatters
+    return {
+        "own attributes": sorted(name for name in vars(ip) if not name.startswith("_")
+                                 and name not in ("execution_count", "last_execution_result",
+                                                  "last_execution_succeeded")),
+        "showtraceback": vars(ip).get("showtraceback"),
+        "custom exceptions": (ip.custom_exceptions, ip.CustomTB),
+        "events": {name: [id(callback) for callback in callbacks] for name, callbacks in ip.events.callbacks.items()},
+        "transformers": ([id(t) for t in ip.input_transformers_cleanup], [id(t) for t in ip.input_transformers_post],
+                         [id(t) for t in ip.ast_transformers]),
+        "formatters": {name: (len(f.type_printers), len(f.deferred_printers)) for name, f in formatters.items()},
+        "traceback mode": (ip.InteractiveTB.mode, ip.InteractiveTB.tb_offset),
+        "user names": sorted(name for name in ip.user_ns if not name.startswith("_") and name not in (
+            "step", "batch", "loss")),
+        "hooks": (sys.excepthook, sys.displayhook),
+        "process": global_state(),
+    }
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+@pytest.mark.parametrize("flags", ["", "--defer", "--full", "--ops", "--ops --defer"])
+@pytest.mark.parametrize("magic", ["%%nantrace", "%nanwatch", "%nanwatch on"])
+def test_a_watched_cell_leaves_no_trace_on_the_shell_or_the_process(ip: Any, magic: str, flags: str,
+                                                                      ending: str) -> None:
+    from IPython.utils.capture import capture_output
+
+    with capture_output():
+        ip.run_cell(SETUP)
+        ip.run_cell(LOOP.format(end="pass"))  # (torch's own first-use changes)
+        ip.run_cell(SETUP)
+    before = _shell_state(ip)
+    cell = LOOP.format(end=ENDINGS[ending])
+    with capture_output(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if magic == "%nanwatch on":
+            ip.run_cell(f"%nanwatch on {flags}")
+            result = ip.run_cell(cell)
+            ip.run_cell("%nanwatch off")
+        else:
+            result = ip.run_cell(f"{magic} {flags}\n{cell}")
+    expected = {"healthy": None, "nan": "NonFiniteError", "raise": "ValueError", "interrupt": "KeyboardInterrupt"}
+    error = result.error_in_exec
+    assert (type(error).__name__ if error is not None else None) == expected[ending]
+    after = _shell_state(ip)
+    process = after.pop("process")
+    assert differences(before.pop("process"), process) == {}
+    assert {key: (value, after[key]) for key, value in before.items() if after[key] != value} == {}
+
+
+def _trained_into_an_event(options: dict[str, Any], on_detect: str) -> tuple[list[Any], Any, Any]:
+    """A training function whose step 2 makes NaN; weak references to its model, outputs and watch."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Log(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    outputs: list[Any] = []
+    watch = nan_magic.watch(model, optimizer, **options, on_detect=on_detect)
+    with warnings.catch_warnings(), contextlib.suppress(nan_magic.NonFiniteError):
+        warnings.simplefilter("ignore")
+        with watch:
+            for step in range(4):
+                out = model(torch.rand(4, 6) + (-30.0 if step == NAN_STEP else 0.5))
+                outputs.append(weakref.ref(out))
+                optimizer.zero_grad()
+                out.pow(2).mean().backward()
+                optimizer.step()
+    assert watch.report is not None and watch.report.step == NAN_STEP
+    return outputs, weakref.ref(model), weakref.ref(watch)
+
+
+@pytest.mark.parametrize("on_detect", ["warn", "raise"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_watch_that_reported_keeps_nothing_alive_once_the_user_lets_go(mode: str, on_detect: str) -> None:
+    """After an event the report's frames hold the step's outputs; the gradient hook on each output (held by its
+    autograd node, where the collector cannot see) held the watch: model, outputs and watch lived on for good."""
+    import gc
+
+    outputs, model, watch = _trained_into_an_event(MODES[mode], on_detect)
+    gc.collect()
+    assert (model(), watch(), [output() for output in outputs]) == (None, None, [None] * len(outputs))
