@@ -163,7 +163,9 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tupl
     for key in before.keys() | after.keys():
         first, second = before.get(key), after.get(key)
         if key == "patched":
-            changed = {name: (first[name], second.get(name)) for name in first if first[name] != second.get(name)}
+            changed = {name: (first.get(name), second.get(name)) for name in first.keys() | second.keys()
+                       if first.get(name) != second.get(name)  # (an attribute added and left counts too)
+                       and not name.startswith("sys.last_")}  # (the shell's record of a cell's error, for %debug)
             if changed:
                 found[key] = (sorted(changed), None)
         elif key == "loggers":  # (torch makes its loggers as its modules are first imported: ours would count)

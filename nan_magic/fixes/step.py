@@ -48,7 +48,6 @@ from nan_magic.fixes.site import REPLAY_CALLERS, InRecordedCode, Remedy, Site, a
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, values_to_read
-from nan_magic.hot.watched.eager_stance import eager_stance
 from nan_magic.localize.ops.plans import plan_of, tensors
 from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.tiered.root_calls import RootCall, training_as
@@ -168,7 +167,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
         stack.enter_context(step.standing_aside())
         guard = stack.enter_context(untouched(step.target))
         if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in step.model.modules()):
-            stack.enter_context(eager_stance())  # a compiled submodule runs eagerly
+            stack.enter_context(torch.compiler.set_stance("force_eager"))  # a compiled submodule runs eagerly
         with torch.no_grad():
             given = step.parameters or {}
             before = {id(parameter): value for parameter, value in root.parameters}  # (ones the forward writes)

@@ -57,7 +57,7 @@ class EagerStance:
         self._frames = _frame_stances()
         self._fallback: Any = None
         self._mine: list[Any] = []  # the stances set by this one (a user's ``with`` may give an earlier one back)
-        self._before: Any = None
+        self._before_of: list[Any] = []  # what each of ``_mine`` replaced
         self._left = False
 
     def __enter__(self) -> EagerStance:
@@ -83,7 +83,7 @@ class EagerStance:
         if not self._mine:
             _LIVE.append(self)
         self._mine.append(ours)
-        self._before = before  # the stance from before the watch, or the one the user set in it since
+        self._before_of.append(before)  # the stance from before the watch, or the one the user set in it since
 
     def owns(self, stance: Any) -> bool:
         return any(mine is stance for mine in self._mine)
@@ -99,12 +99,12 @@ class EagerStance:
         _LIVE.remove(self)
         now = frames._stance
         if self.owns(now):
-            frames._set_stance(_unwound(self._before))
+            frames._set_stance(_unwound(self._before_of[[m is now for m in self._mine].index(True)]))
         elif any(live.owns(now) for live in _LIVE):
-            # A later watch's stance is on top: when it is left it gives back this one's ``before``.
-            _LEFT_UNDER.append((self._mine, self._before))
+            for mine, before in zip(self._mine, self._before_of):
+                _LEFT_UNDER.append(([mine], before))
         # Otherwise the user set a stance while the watch was on: theirs stays.
-        self._mine = []
+        self._mine, self._before_of = [], []
         if not _LIVE:
             _LEFT_UNDER.clear()  # (no watch left to give those back)
 
