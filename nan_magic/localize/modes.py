@@ -32,6 +32,7 @@ from contextlib import ExitStack
 import torch
 
 from nan_magic.hot.checks.optim_reports import ReplayStep
+from nan_magic.hot.watched.eager_stance import eager_stance
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer
 from nan_magic.localize.outside.recorder import OutsideRecorder
@@ -229,9 +230,9 @@ class Traced(Localizing):
         # The tracer names the innermost watched module running, from the forward hooks' stack.
         stack.enter_context(origins.make_tracer(self.kinds, module_name, phase_hint, self._deferred))
         # With the tracer (a dispatch mode) on the stack dynamo runs every frame eagerly, and torch.compile's
-        # fullgraph=True raises where a call compiled no frame, unless the stance says eager.
-        if hasattr(torch.compiler, "set_stance"):  # (torch>=2.6)
-            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        # fullgraph=True raises where a call compiled no frame, unless the stance says eager (the user's stance
+        # as they set it after: eager_stance.py).
+        stack.enter_context(eager_stance())
         # The tracer's weak references to the tensors it read would make the user's swap_tensors (model.to() under
         # the swap future) raise: they go first (patches/swaps.py).
         stack.enter_context(forgotten_before_swaps(lambda tensor: _forget_known(origins, tensor)))

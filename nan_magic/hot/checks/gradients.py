@@ -34,6 +34,7 @@ from nan_magic.errors.frames import pointer_at, user_line
 from nan_magic.hot.checks.filled import dropped_by_its_fill
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
 from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
+from nan_magic.hot.checks.output_grad_hooks import judged_weakly
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.reads import BATCHED_GRADS, is_checkable, norms, read_scalars, relevant_kinds
@@ -67,6 +68,7 @@ class GradientChecks:
                  replay_backward: ReplayBackward | None,
                  replay_anomaly: Callable[[Finding], bool] | None = None) -> None:
         self.watch = watch
+        self._weakly = weakref.ref(self)
         self.origins = origins
         self._loss_code = loss_code
         self._replay_backward = replay_backward
@@ -107,7 +109,7 @@ class GradientChecks:
             grad_fn = tensor.grad_fn  # None also when the tensor does not require grad
             if grad_fn is None:
                 return
-            hook = functools.partial(self._on_output_grad, record)
+            hook = functools.partial(judged_weakly, self._weakly, record)  # (why weakly: output_grad_hooks.py)
             # (_register_grad_hook's fast path, inlined: every output of every checked call; whether a node type
             # has _register_hook_dict asked once per type)
             if (type(tensor) is torch.Tensor and tensor._backward_hooks is None
@@ -468,11 +470,9 @@ def check_parameter_grads(
 def _register_grad_hook(tensor: torch.Tensor, grad_fn: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """``tensor.register_hook(hook)``, for a tensor without hooks at about 60% of its cost.
 
-    This runs once per module output. ``Tensor.register_hook`` makes a
-    ``RemovableHandle`` (never used here: the hook dies with the tensor) and
-    goes through the ``__torch_function__`` check; a plain tensor without
-    hooks gets the same hook dictionary attached directly, the way
-    ``register_hook`` itself attaches it. Any other tensor takes the public
+    This runs once per module output. ``Tensor.register_hook`` makes a ``RemovableHandle`` (never used here: the
+    hook dies with the tensor) and goes through the ``__torch_function__`` check; a plain tensor without hooks gets
+    the same hook dictionary attached directly, the way ``register_hook`` attaches it. Any other tensor: the public
     path.
     """
     if type(tensor) is torch.Tensor and tensor._backward_hooks is None:

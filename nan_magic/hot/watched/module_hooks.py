@@ -30,7 +30,9 @@ tracer. The stance only skips dynamo: the compiled code, its guards and
 caches stay as they are, so nothing recompiles after the watch. It is
 process-wide: while the watch is active, other ``torch.compile``d code (a
 compiled loss, another thread's model) runs eagerly too. One
-:class:`~nan_magic.NanMagicWarning` says so.
+:class:`~nan_magic.NanMagicWarning` says so. The stance is the user's again
+after the watch: the one from before it, or one they set inside it
+(eager_stance.py).
 """
 
 from __future__ import annotations
@@ -43,12 +45,12 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules import module as module_registry
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from nan_magic.errors.exceptions import NanMagicWarning
+from nan_magic.hot.watched.eager_stance import EagerStance, eager_stance
 
 __all__ = ["SEES_ITS_HOOKS", "GlobalModuleHooks", "is_compiled", "is_watch_hook"]
 
@@ -78,13 +80,13 @@ class GlobalModuleHooks:
         self._attached = False
         self._wrapped: set[int] = set()
         self._stack: ExitStack | None = None
-        self._eager = False
+        self._eager: EagerStance | None = None
         self._noticed = False
 
     def attach(self, stack: ExitStack) -> None:
         """Attach the global hooks until ``stack`` closes."""
         self._stack = stack
-        self._eager = False  # attached again after a nested watch took over: its stance went with the old stack
+        self._eager = None  # attached again after a nested watch took over: its stance went with the old stack
         self._on()
         stack.callback(self._off)
         # Inserted by hand: filterwarnings() would first remove an equal filter (an outer watch's, or
@@ -110,10 +112,12 @@ class GlobalModuleHooks:
         ``mode`` names the watch's mode in the one notice (None: a replay's
         watch, which the user did not ask for, says nothing).
         """
-        if self._eager or self._stack is None:
+        if self._eager is not None:
+            self._eager.again()  # where the user set a stance of their own since: theirs after the watch
             return
-        self._eager = True
-        self._stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if self._stack is None:
+            return
+        self._eager = self._stack.enter_context(eager_stance())
         if mode is not None and not self._noticed:
             self._noticed = True
             warnings.warn(

@@ -27,6 +27,10 @@ __all__ = ["distinct_label", "name_in_callers"]
 #: Whether a function frame's ``f_locals`` is a snapshot the frame keeps (PEP 667 made it a view in 3.13).
 _SNAPSHOTS = sys.version_info < (3, 13)
 
+#: ``sys.getrefcount`` of a frame's snapshot that only the frame and :func:`_bound_names` hold: the frame, its
+#: ``local`` and the call's argument. More: the user's code (``env = locals()``), or a debugger, holds it too.
+_HELD_BY_FRAME_AND_US = 3
+
 #: How many of the user's frames out from the call are asked for a name (a loop, a helper or two, the script).
 FRAMES_ASKED = 8
 
@@ -57,10 +61,13 @@ def _bound_names(frame: FrameType, module: nn.Module) -> list[str]:
     local = frame.f_locals
     names = [name for scope in (local, frame.f_globals) for name, value in list(scope.items())
              if value is module and not name.startswith("_") and name != "self"]
-    if _SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and local is not frame.f_globals:
+    if (_SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and local is not frame.f_globals
+            and sys.getrefcount(local) <= _HELD_BY_FRAME_AND_US):
         # Before Python 3.13 a function's ``f_locals`` is a snapshot the frame keeps: it would hold what the loop's
         # locals were at the join (the generator's output, its graph, when D joins) for as long as the loop runs.
         # Emptied, it holds nothing; CPython fills it afresh wherever it is read (``locals()``, a tracer's call).
+        # It is the very dict ``locals()`` gave the user's code: one they kept (``env = locals()``) is theirs, and
+        # stays as it is (it holds those values anyway, for as long as they keep it).
         local.clear()
     return names
 
