@@ -45,7 +45,8 @@ from nan_magic.localize.outside.recorded_ops import (
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 
-__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad", "with_code_before"]
+__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad", "unjudged",
+           "with_code_before"]
 
 
 class LossNotComputed(Exception):
@@ -87,6 +88,25 @@ class LossCode:
         """Whether the code ran a backward of its own (``torch.autograd.grad``: a gradient penalty), recorded as the
         ops it ran: the derivative of the lines as they ran, which a remedy at one of them does not change."""
         return any("_backward" in str(op.func) for op in self.ops)
+
+    @property
+    def hand_backward(self) -> str | None:
+        """The custom ``torch.autograd.Function`` whose ``forward`` ran some of the ops, or None: a trial runs those
+        ops again one by one, so its backward through them is torch's derivative of each, not the Function's own
+        (a ``log`` whose backward by hand is ``grad / p``: a clamp of ``p`` before the log leaves that ``grad / p``
+        inf, where the trial's ``log`` derivative reads the clamped ``p``)."""
+        for op in self.ops:
+            code = op.code
+            if code is None or code.co_name != "forward" or code.co_varnames[:1] != ("ctx",):
+                continue
+            qualname = getattr(code, "co_qualname", code.co_name)  # (Python 3.10 has no co_qualname)
+            owner: object = op.globals or {}
+            for part in qualname.split(".")[:-1]:
+                owner = owner.get(part) if isinstance(owner, dict) else getattr(owner, part, None)
+            # (A Function defined inside a function is not in the globals: its ``ctx`` is taken at its word.)
+            if owner is None or (isinstance(owner, type) and issubclass(owner, torch.autograd.Function)):
+                return qualname.rsplit(".", 1)[0] if "." in qualname else "a custom autograd.Function"
+        return None
 
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
             remedied: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
@@ -226,6 +246,23 @@ def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: It
                    for value in inputs):
                 return (f"the loss code read the non-finite output of another model's call "
                         f"({type(call.module).__name__}), which the trial does not replay on its outputs")
+    return None
+
+
+def unjudged(code: LossCode | str | None, failed: str | None, loss_from: str | None) -> str | None:
+    """Why a trial's verdict says nothing of the user's step, where it ran the loss code (``code``) and ``failed``
+    there or not at all; None where its verdict stands."""
+    if not isinstance(code, LossCode):
+        return None
+    if failed == "loss" and code.differentiates:
+        return ("the loss came out non-finite, but the loss code differentiates (torch.autograd.grad) and its "
+                "recorded backward runs as it ran, the unremedied line's derivative: the trial cannot tell")
+    function = code.hand_backward
+    if function is not None and loss_from in ("loss code", "last loss code") and failed not in ("forward", "loss",
+                                                                                                  "raised"):
+        return (f"the loss code calls {function}, a custom autograd.Function: the trial runs again the ops its "
+                f"forward ran, whose derivative is torch's, not {function}.backward's, so its backward is not "
+                "the step's: the trial cannot tell")
     return None
 
 
