@@ -1,10 +1,10 @@
 """Every fix verdict must be true: checked by applying the remedy by hand, apart from the package (session 43).
 
 The audit: a contract incident's report says of each remedy whether it made the failing step finite. Here the
-remedy is applied by our own function mode (tests/fix_by_hand.py ``ByHand``: the eps clamp, the max-subtracted exp), at the trial's
-line, on the failing step only (the step counted by a global optimizer step hook), in a fresh run of the case; the
-run then goes non-finite at that step or not. A "verified" remedy must leave the step finite; a "still
-non-finite" one must not.
+remedy is applied by our own function mode (tests/fix_by_hand.py ``ByHand``: the eps clamp, the max-subtracted
+exp), at the trial's line, on the failing step only (the step counted by a global optimizer step hook), in a
+fresh run of the case; the run then goes non-finite at that step or not. A "verified" remedy must leave the step
+finite; a "still non-finite" one must not.
 
 Found by the audit and fixed:
 - A model that masks its logits with -inf (``masked_fill(~legal, -inf)``) and has a log of an exact 0 beside the
