@@ -9,7 +9,7 @@ producer's operand (a ``log`` of an exact 0 beside that mask) leaves those
 loss and gradients, is. Judging the outputs by ``isfinite`` alone said "went
 non-finite in forward" for every remedy of such a model, a working one too.
 
-So where a trial's outputs hold an infinity and no NaN, the forward runs once
+So where a remedied trial's outputs hold an infinity and no NaN, the forward runs once
 more under the op tracer (the watch's own rule for what is deliberate: an op
 given an infinite scalar or mask, and what carries it on), and an output whose
 non-finite values all began at a deliberate infinity is no failure: the step
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.tracer import OpTracer
@@ -50,7 +51,9 @@ def deliberate_outputs(forward: Callable[[], Any]) -> frozenset[str]:
     """The paths of the floating outputs of ``forward()``, run under the op tracer, whose non-finite values all
     began at a deliberate infinity (the tracer's ``"benign"`` origin); a finite output is not among them."""
     tracer = OpTracer(at_boundary=True)
-    with tracer:
+    # (The watch's own dispatch modes stand aside, as for the trials of kept.py: under the loop-code recorder the
+    # tracer saw none of the forward's ops, and an output it never saw made has no origin to tell.)
+    with _disable_current_modes(), tracer:
         again = forward()
     return frozenset(path for path, tensor in _floating(again)
                      if not bool(torch.isfinite(values_to_read(tensor)).all())
