@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from contract import all_cases
 from fix_by_hand import failing_step, family_of
+from fix_cases_s43 import LogNewStyle, LogViaHelper, metric_loop
 from torch import nn
 
 import nan_magic
@@ -234,6 +235,33 @@ def test_the_same_log_without_a_function_is_verified() -> None:
     assert trial.finite is True, fixes_text(report)
     assert "-> verified" in trial_line(report, "eps")
     assert failing_step(build, trial, report.step) != report.step
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["default", "defer"])
+@pytest.mark.parametrize("function", [LogViaHelper, LogNewStyle], ids=["helper", "setup_context"])
+def test_a_function_on_the_losss_path_is_found_in_any_form(function: Any, defer: bool) -> None:
+    """A forward that calls a helper to run the log, or a new-style one (``forward(p)`` and ``setup_context``):
+    the trial cannot tell (by hand, the clamp leaves the step non-finite: the backward is ``grad / p``)."""
+    build = lambda: _probabilities_loop(function.apply)  # noqa: E731
+    report = report_of(build, **({"defer": True} if defer else {}))
+    (trial,) = [trial for trial in report.fixes if trial.kind == "eps"]
+    assert trial.finite is None, fixes_text(report)
+    assert f"{function.__name__}, a custom autograd.Function" in trial_line(report, "eps")
+    by_hand = FixTrial(kind="eps", source=trial.source, facts=(("function", "log"),))
+    assert failing_step(build, by_hand, report.step) == report.step
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["default", "defer"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "output_unread"])
+def test_a_function_off_the_losss_path_leaves_the_verdicts(grad: bool, defer: bool) -> None:
+    """A metric's Function under no_grad, or with grad on but its output not read by the loss: no derivative of
+    it is in the step, so the trials stand ("verified", and by hand the clamp makes the step finite)."""
+    build = lambda: metric_loop(grad)  # noqa: E731
+    report = report_of(build, **({"defer": True} if defer else {}))
+    text = fixes_text(report)
+    assert "Sharpen" not in text and "2 of 2 verified" in text, text
+    (trial,) = [trial for trial in report.fixes if trial.kind == "eps"]
+    assert trial.finite is True and failing_step(build, trial, report.step) != report.step
 
 
 # ---------------------------------------------------------------- remedies that tempt but must not be verified

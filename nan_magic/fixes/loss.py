@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -89,23 +90,35 @@ class LossCode:
         ops it ran: the derivative of the lines as they ran, which a remedy at one of them does not change."""
         return any("_backward" in str(op.func) for op in self.ops)
 
-    @property
+    @functools.cached_property
     def hand_backward(self) -> str | None:
-        """The custom ``torch.autograd.Function`` whose ``forward`` ran some of the ops, or None: a trial runs those
-        ops again one by one, so its backward through them is torch's derivative of each, not the Function's own
-        (a ``log`` whose backward by hand is ``grad / p``: a clamp of ``p`` before the log leaves that ``grad / p``
-        inf, where the trial's ``log`` derivative reads the clamped ``p``)."""
+        """The custom ``torch.autograd.Function`` applied in the loss code on the loss's gradient path, or None: a
+        trial runs the ops its forward ran again one by one, so its backward through them is torch's derivative of
+        each, not the Function's own (a ``log`` whose backward by hand is ``grad / p``: a clamp of ``p`` before the
+        log leaves that ``grad / p`` inf, where the trial's ``log`` derivative reads the clamped ``p``).
+
+        Read from autograd, not from the code's names: a tensor an op of the loss code returned whose node is a
+        Function's (its ``forward`` ran that op, in a helper too; old-style or with ``setup_context``), and that
+        node in the recorded loss's graph (a Function under ``no_grad`` makes no node; one whose output the loss
+        does not read is not in its graph). Where the loss itself was freed, an output that required gradients
+        stands for the path."""
+        made: list[tuple[object, type, bool]] = []  # (the node or None, its Function, the output required grad)
         for op in self.ops:
-            code = op.code
-            if code is None or code.co_name != "forward" or code.co_varnames[:1] != ("ctx",):
-                continue
-            qualname = getattr(code, "co_qualname", code.co_name)  # (Python 3.10 has no co_qualname)
-            owner: object = op.globals or {}
-            for part in qualname.split(".")[:-1]:
-                owner = owner.get(part) if isinstance(owner, dict) else getattr(owner, part, None)
-            # (A Function defined inside a function is not in the globals: its ``ctx`` is taken at its word.)
-            if owner is None or (isinstance(owner, type) and issubclass(owner, torch.autograd.Function)):
-                return qualname.rsplit(".", 1)[0] if "." in qualname else "a custom autograd.Function"
+            for value in tree_leaves(op.out):
+                tensor = _resolved(value)
+                node = getattr(tensor, "grad_fn", None)
+                function = getattr(node, "_forward_cls", None) or getattr(value, "function", None)
+                if isinstance(function, type):
+                    made.append((node if tensor is not None else None, function,
+                                 bool(getattr(tensor if tensor is not None else value, "requires_grad", False))))
+        if not made:
+            return None
+        loss = next((_resolved(value) for op in self.ops for value in tree_leaves(op.out)
+                     if record_key(value) == self.key), None)
+        graph = _nodes_of(loss.grad_fn) if loss is not None and loss.grad_fn is not None else None
+        for node, function, requires_grad in made:
+            if (node in graph) if graph is not None and node is not None else requires_grad:
+                return function.__qualname__
         return None
 
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
@@ -264,6 +277,26 @@ def unjudged(code: LossCode | str | None, failed: str | None, loss_from: str | N
                 f"forward ran, whose derivative is torch's, not {function}.backward's, so its backward is not "
                 "the step's: the trial cannot tell")
     return None
+
+
+def _resolved(value: object) -> torch.Tensor | None:
+    """A recorded tensor if it is still alive (held, or a weak record's referent), else None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return value.ref() if isinstance(value, WeakRecord) else None
+
+
+def _nodes_of(root: object, most: int = 200_000) -> set[object]:
+    """The autograd nodes ``root`` reaches (``next_functions`` outlive a backward that freed the saved tensors)."""
+    seen: set[object] = set()
+    stack = [root]
+    while stack and len(seen) < most:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(following for following, _index in getattr(node, "next_functions", ()))
+    return seen
 
 
 def ran_without_grad(op: RecordedOp) -> bool:
