@@ -1,4 +1,5 @@
-"""Cases for tests/test_fix_truth_s43.py: custom autograd.Functions on and off a loss's gradient path."""
+"""Cases for tests/test_fix_truth_s43.py: logits masked with -inf beside a log of 0, and custom
+autograd.Functions on and off a loss's gradient path."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -75,6 +77,57 @@ def metric_loop(grad: bool) -> Any:
             with torch.enable_grad() if grad else torch.no_grad():
                 metrics.append(sharpen(p).sum())
             loss = -torch.log(p).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return Scenario((model, opt), run)
+
+
+class MaskedLogits(nn.Module):
+    """Logits with the illegal entries -inf (``how``: masked_fill, where, or an additive bias); the last logit is
+    a log of ``p``, which is exactly 0 (``two_logs``: the one before it too, on a line of its own)."""
+
+    def __init__(self, how: str, two_logs: bool = False) -> None:
+        super().__init__()
+        self.how, self.two_logs, self.offset = how, two_logs, 0.0
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    def forward(self, x: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        p = torch.relu(logits[:, 4:]) * 0.0 + self.offset  # (offset 1: no log of 0, a healthy step)
+        last = p.log()  # the producer
+        before = logits[:, 3:4]
+        if self.two_logs:
+            before = (torch.relu(logits[:, 3:4]) * 0.0).log()  # a second log of 0, not remedied with the first
+        logits = torch.cat([logits[:, :3], before, last], -1)
+        if self.how == "fill":
+            return logits.masked_fill(~legal, float("-inf"))
+        if self.how == "where":
+            return torch.where(legal, logits, float("-inf"))
+        return logits + torch.zeros(legal.shape).masked_fill(~legal, float("-inf"))
+
+
+def masked_scenario(how: str, two_logs: bool = False, entropy: bool = False, zero_from: int = 0) -> Any:
+    """``entropy``: the loss adds an entropy bonus, ``p * logp``, 0 * -inf at the masked entries (NaN);
+    ``zero_from``: the step from which the log reads its 0 (the steps before it are healthy)."""
+    from contract import Scenario
+
+    torch.manual_seed(0)
+    model = MaskedLogits(how, two_logs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6)
+    legal = torch.ones(4, 5, dtype=torch.bool)
+    legal[:, 1] = False  # the -inf a mask puts in every row; the log's column stays legal
+
+    def run() -> None:
+        for step in range(3):
+            model.offset = 1.0 if step < zero_from else 0.0
+            out = model(x, legal)
+            if entropy:
+                logp = F.log_softmax(out, -1)
+                loss = F.nll_loss(logp, torch.zeros(4, dtype=torch.long)) + 0.01 * (logp.exp() * logp).sum(-1).mean()
+            else:
+                loss = torch.where(legal, out, 0.0).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()

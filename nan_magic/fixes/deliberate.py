@@ -13,7 +13,10 @@ So where a remedied trial's outputs hold an infinity and no NaN, the forward run
 more under the op tracer (the watch's own rule for what is deliberate: an op
 given an infinite scalar or mask, and what carries it on), and an output whose
 non-finite values all began at a deliberate infinity is no failure: the step
-goes on to its loss and backward, which judge it. An output an op made
+goes on to its loss and backward, which judge it. Only the user's loss can (an
+entropy bonus ``p * logp`` is NaN at every masked entry): where the loss code did
+not run and the backward started from a stand-in, the trial cannot tell
+(loss.py ``unjudged``). An output an op made
 non-finite (an overflowed ``exp``, the unremedied ``log``) still fails. That
 second forward starts from the same copies and generators, with the remedy
 in place, and what the remedy counted stays the first forward's.
@@ -31,10 +34,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.ops.tracer import OpTracer
 
-__all__ = ["deliberate_outputs", "held_remedy", "holds_only_infinities"]
+__all__ = ["deliberate_outputs", "floating_outputs", "held_remedy", "holds_only_infinities"]
 
 
-def _floating(output: Any) -> list[tuple[str, torch.Tensor]]:
+def floating_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """The floating tensors of a call's output, by path (``output[0]``)."""
     return [(path, tensor) for path, tensor in iter_tensors(output, "output", attributes=True)
             if tensor.is_floating_point()]
 
@@ -42,7 +46,7 @@ def _floating(output: Any) -> list[tuple[str, torch.Tensor]]:
 def holds_only_infinities(output: Any) -> bool:
     """Whether some floating tensor of ``output`` is not finite and none holds a NaN (a deliberate infinity can be
     carried as -inf or +inf; a NaN is never one at a model's output)."""
-    values = [values_to_read(tensor) for _path, tensor in _floating(output)]
+    values = [values_to_read(tensor) for _path, tensor in floating_outputs(output)]
     return any(not bool(torch.isfinite(value).all()) for value in values) and not any(
         bool(value.isnan().any()) for value in values)
 
@@ -55,7 +59,7 @@ def deliberate_outputs(forward: Callable[[], Any]) -> frozenset[str]:
     # tracer saw none of the forward's ops, and an output it never saw made has no origin to tell.)
     with _disable_current_modes(), tracer:
         again = forward()
-    return frozenset(path for path, tensor in _floating(again)
+    return frozenset(path for path, tensor in floating_outputs(again)
                      if not bool(torch.isfinite(values_to_read(tensor)).all())
                      and tracer.origin_of(tensor) == "benign")
 

@@ -262,9 +262,17 @@ def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: It
     return None
 
 
-def unjudged(code: LossCode | str | None, failed: str | None, loss_from: str | None) -> str | None:
+def unjudged(code: LossCode | str | None, failed: str | None, loss_from: str | None, deliberate: bool = False
+             ) -> str | None:
     """Why a trial's verdict says nothing of the user's step, where it ran the loss code (``code``) and ``failed``
-    there or not at all; None where its verdict stands."""
+    there or not at all; None where its verdict stands. ``deliberate``: the remedied outputs kept infinities taken
+    as deliberate (a mask's -inf, deliberate.py), which only the user's loss can judge."""
+    if deliberate and failed is None and loss_from not in ("loss code", "last loss code", "model"):
+        # (A backward from ones goes through a masked_fill as zeros; the user's loss may read the -inf: an entropy
+        # bonus ``p * logp`` is 0 * -inf, NaN, at every masked entry.)
+        return ("the remedied outputs keep the model's deliberate infinities (a mask's -inf) and the step's loss "
+                "code did not run on them, the backward started from a stand-in: whether the loss stays finite, "
+                "the trial cannot tell")
     if not isinstance(code, LossCode):
         return None
     if failed == "loss" and code.differentiates:

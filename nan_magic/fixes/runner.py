@@ -417,7 +417,8 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
-    if (unjudged_why := unjudged(step.loss_code, outcome.failed, outcome.loss_from)) is not None:
+    if (unjudged_why := unjudged(step.loss_code, outcome.failed, outcome.loss_from,
+                                 outcome.deliberate)) is not None:
         return at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds, untried=unjudged_why)
     if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
         return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
 from nan_magic.fixes.deliberate import deliberate_outputs, held_remedy, holds_only_infinities
+from nan_magic.fixes.deliberate import floating_outputs as _floating
 from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.probe import gradient_sums
 from nan_magic.fixes.site import REPLAY_CALLERS, InRecordedCode, Remedy, Site, at_producer, in_backward_nodes
@@ -107,6 +108,8 @@ class StepOutcome:
     no_loss: str | None = None
     #: Why the loss code did not run where the model's own scalar output stood for the loss (``loss_from="model"``).
     stand_in: str | None = None
+    #: Whether outputs were let through for deliberate infinities (deliberate.py): a loss must judge them.
+    deliberate: bool = False
     #: The sum of each trained parameter's gradient's magnitudes (None: it got none), where the backward ran.
     gradients: tuple[float | None, ...] = ()
     #: The machine eps of the coarsest of those gradients' dtypes (float16's: a scaled exp's backward rounds there).
@@ -362,6 +365,7 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     other_tensors = [dict(_floating(other)) for other in others or ()]
     judged = [tensor for path, tensor in outcome.outputs.items() if path not in deliberate]  # (deliberate.py)
+    outcome.deliberate = bool(deliberate)
     if not all(_finite(tensor) for tensor in [*judged, *(t for other in other_tensors for t in other.values())]):
         outcome.failed = "forward"
         return
@@ -418,11 +422,6 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
              if isinstance(value, torch.Tensor) and value.is_floating_point()]
     if not all(_finite(tensor) for tensor in [*parameters, *state]):
         outcome.failed = "optimizer step"
-
-
-def _floating(output: Any) -> list[tuple[str, torch.Tensor]]:
-    return [(path, tensor) for path, tensor in iter_tensors(output, "output", attributes=True)
-            if tensor.is_floating_point()]
 
 
 def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep,
