@@ -169,6 +169,23 @@ def test_the_masked_model_stays_silent_and_unchanged_when_healthy() -> None:
     assert torch.equal(run(True), run(False))
 
 
+def test_the_deliberate_check_leaves_what_the_remedy_counted_as_the_step_had_it() -> None:
+    """The second forward of the deliberate check runs with the remedy in place: its counts, lists and sets are
+    put back as the step's (other_uses() reads the call ordinals, _powers the exponents)."""
+    from types import SimpleNamespace
+
+    from nan_magic.fixes.deliberate import held_remedy
+
+    remedy = SimpleNamespace(calls=2, operands=["p1"], behind=[], exponents=set(), moved={"a": 1})
+    with held_remedy(remedy, None):
+        remedy.calls += 2
+        remedy.operands.append("p2")
+        remedy.behind.append("leaf")
+        remedy.exponents.add(0.5)
+        remedy.moved["b"] = 2
+    assert vars(remedy) == {"calls": 2, "operands": ["p1"], "behind": [], "exponents": set(), "moved": {"a": 1}}
+
+
 # ---------------------------------------------------------------- a log in a custom autograd.Function of the loss code
 class LogByHand(torch.autograd.Function):
     """log, its backward by hand reading the operand the forward saved: ``grad / p``."""
@@ -354,7 +371,8 @@ def test_a_clamp_that_replaces_every_value_of_a_zero_norm_is_not_a_plain_fix() -
 
     report = report_of(build)
     assert (report.phase, report.cause.label if report.cause else None) == ("backward", "sqrt-domain")
-    assert not [trial for trial in report.fixes if "clip" in trial.kind]
+    # the one remedy is the clamp, worded as hiding the NaN: nothing else (clipping, a lower lr) is offered
+    assert [trial.kind for trial in report.fixes] == ["eps"], fixes_text(report)
     line = trial_line(report, "eps")
     assert "every value of the operand was out of the domain and was replaced" in line, line
     assert "the NaN is hidden, not fixed" in line, line

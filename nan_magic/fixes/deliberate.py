@@ -25,6 +25,7 @@ in place, and what the remedy counted stays the first forward's.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,8 +69,9 @@ def deliberate_outputs(forward: Callable[[], Any]) -> frozenset[str]:
 def held_remedy(remedy: Any, mode: Any) -> Iterator[None]:
     """What ``remedy`` counted (the values it moved, the calls it changed) and ``mode``'s ``applied`` as they were
     before a second forward ran with them in place: the step's, not that check's."""
-    state = {key: dict(value) if isinstance(value, dict) else value for key, value in vars(remedy).items()} if hasattr(
-        remedy, "__dict__") else {}
+    # (one level of each container copied: a dict, list or set the second forward adds to is put back as it was)
+    state = {key: copy.copy(value) if isinstance(value, (dict, list, set)) else value
+             for key, value in vars(remedy).items()} if hasattr(remedy, "__dict__") else {}
     applied = getattr(mode, "applied", None)
     try:
         yield
