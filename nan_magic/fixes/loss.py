@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -45,7 +46,8 @@ from nan_magic.localize.outside.recorded_ops import (
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.tiered.root_calls import RootCall
 
-__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad", "with_code_before"]
+__all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad", "unjudged",
+           "with_code_before"]
 
 
 class LossNotComputed(Exception):
@@ -87,6 +89,37 @@ class LossCode:
         """Whether the code ran a backward of its own (``torch.autograd.grad``: a gradient penalty), recorded as the
         ops it ran: the derivative of the lines as they ran, which a remedy at one of them does not change."""
         return any("_backward" in str(op.func) for op in self.ops)
+
+    @functools.cached_property
+    def hand_backward(self) -> str | None:
+        """The custom ``torch.autograd.Function`` applied in the loss code on the loss's gradient path, or None: a
+        trial runs the ops its forward ran again one by one, so its backward through them is torch's derivative of
+        each, not the Function's own (a ``log`` whose backward by hand is ``grad / p``: a clamp of ``p`` before the
+        log leaves that ``grad / p`` inf, where the trial's ``log`` derivative reads the clamped ``p``).
+
+        Read from autograd, not from the code's names: a tensor an op of the loss code returned whose node is a
+        Function's (its ``forward`` ran that op, in a helper too; old-style or with ``setup_context``), and that
+        node in the recorded loss's graph (a Function under ``no_grad`` makes no node; one whose output the loss
+        does not read is not in its graph). Where the loss itself was freed, an output that required gradients
+        stands for the path."""
+        made: list[tuple[object, type, bool]] = []  # (the node or None, its Function, the output required grad)
+        for op in self.ops:
+            for value in tree_leaves(op.out):
+                tensor = _resolved(value)
+                node = getattr(tensor, "grad_fn", None)
+                function = getattr(node, "_forward_cls", None) or getattr(value, "function", None)
+                if isinstance(function, type):
+                    made.append((node if tensor is not None else None, function,
+                                 bool(getattr(tensor if tensor is not None else value, "requires_grad", False))))
+        if not made:
+            return None
+        loss = next((_resolved(value) for op in self.ops for value in tree_leaves(op.out)
+                     if record_key(value) == self.key), None)
+        graph = _nodes_of(loss.grad_fn) if loss is not None and loss.grad_fn is not None else None
+        for node, function, requires_grad in made:
+            if (node in graph) if graph is not None and node is not None else requires_grad:
+                return function.__qualname__
+        return None
 
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
             remedied: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
@@ -227,6 +260,51 @@ def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: It
                 return (f"the loss code read the non-finite output of another model's call "
                         f"({type(call.module).__name__}), which the trial does not replay on its outputs")
     return None
+
+
+def unjudged(code: LossCode | str | None, failed: str | None, loss_from: str | None, deliberate: bool = False
+             ) -> str | None:
+    """Why a trial's verdict says nothing of the user's step, where it ran the loss code (``code``) and ``failed``
+    there or not at all; None where its verdict stands. ``deliberate``: the remedied outputs kept infinities taken
+    as deliberate (a mask's -inf, deliberate.py), which only the user's loss can judge."""
+    if deliberate and failed is None and loss_from not in ("loss code", "last loss code", "model"):
+        # (A backward from ones goes through a masked_fill as zeros; the user's loss may read the -inf: an entropy
+        # bonus ``p * logp`` is 0 * -inf, NaN, at every masked entry.)
+        return ("the remedied outputs keep the model's deliberate infinities (a mask's -inf) and the step's loss "
+                "code did not run on them, the backward started from a stand-in: whether the loss stays finite, "
+                "the trial cannot tell")
+    if not isinstance(code, LossCode):
+        return None
+    if failed == "loss" and code.differentiates:
+        return ("the loss came out non-finite, but the loss code differentiates (torch.autograd.grad) and its "
+                "recorded backward runs as it ran, the unremedied line's derivative: the trial cannot tell")
+    function = code.hand_backward
+    if function is not None and loss_from in ("loss code", "last loss code") and failed not in ("forward", "loss",
+                                                                                                  "raised"):
+        return (f"the loss code calls {function}, a custom autograd.Function: the trial runs again the ops its "
+                f"forward ran, whose derivative is torch's, not {function}.backward's, so its backward is not "
+                "the step's: the trial cannot tell")
+    return None
+
+
+def _resolved(value: object) -> torch.Tensor | None:
+    """A recorded tensor if it is still alive (held, or a weak record's referent), else None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return value.ref() if isinstance(value, WeakRecord) else None
+
+
+def _nodes_of(root: object, most: int = 200_000) -> set[object]:
+    """The autograd nodes ``root`` reaches (``next_functions`` outlive a backward that freed the saved tensors)."""
+    seen: set[object] = set()
+    stack = [root]
+    while stack and len(seen) < most:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(following for following, _index in getattr(node, "next_functions", ()))
+    return seen
 
 
 def ran_without_grad(op: RecordedOp) -> bool:

@@ -34,7 +34,7 @@ from nan_magic.explain.evidence import HALF as HALF_NAMES
 from nan_magic.explain.evidence import node_function
 from nan_magic.fix_records import FUNCTIONS
 from nan_magic.fixes.kept import KeptStep
-from nan_magic.fixes.loss import LossCode, LossSource, loss_code, with_code_before
+from nan_magic.fixes.loss import LossCode, LossSource, loss_code, unjudged, with_code_before
 from nan_magic.fixes.no_remedy import in_update_code, none_fit, update_code_note
 from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, trained_argument, without_bad_samples
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
@@ -417,11 +417,9 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         if site.module is None and not isinstance(step.loss_code, LossCode):
             untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
         return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
-    if outcome.failed == "loss" and isinstance(step.loss_code, LossCode) and step.loss_code.differentiates:
-        return at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds,
-                           untried="the loss came out non-finite, but the loss code differentiates "
-                                    "(torch.autograd.grad) and its recorded backward runs as it ran, the unremedied "
-                                    "line's derivative: the trial cannot tell")
+    if (unjudged_why := unjudged(step.loss_code, outcome.failed, outcome.loss_from,
+                                 outcome.deliberate)) is not None:
+        return at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds, untried=unjudged_why)
     if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
         return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
     # (checked where the trial ran: in every module that runs the line, where the producing module's alone failed)

@@ -42,9 +42,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nan_magic.fix_records import FailedAt
+from nan_magic.fixes.deliberate import deliberate_outputs, held_remedy, holds_only_infinities
+from nan_magic.fixes.deliberate import floating_outputs as _floating
 from nan_magic.fixes.loss import LossCode, LossNotComputed
 from nan_magic.fixes.probe import gradient_sums
 from nan_magic.fixes.site import REPLAY_CALLERS, InRecordedCode, Remedy, Site, at_producer, in_backward_nodes
+from nan_magic.fixes.stepping import step_alone
 from nan_magic.hot.kept.rng import generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, values_to_read
@@ -55,7 +58,7 @@ from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
 from nan_magic.patches.functional_calls import own_tensors
 
-__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_at_line", "replay_step", "step_alone"]
+__all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_at_line", "replay_step"]
 
 
 @dataclass
@@ -105,6 +108,8 @@ class StepOutcome:
     no_loss: str | None = None
     #: Why the loss code did not run where the model's own scalar output stood for the loss (``loss_from="model"``).
     stand_in: str | None = None
+    #: Whether outputs were let through for deliberate infinities (deliberate.py): a loss must judge them.
+    deliberate: bool = False
     #: The sum of each trained parameter's gradient's magnitudes (None: it got none), where the backward ran.
     gradients: tuple[float | None, ...] = ()
     #: The machine eps of the coarsest of those gradients' dtypes (float16's: a scaled exp's backward rounds there).
@@ -195,7 +200,9 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
                                    if buffer.is_floating_point()}
             if mode is not None and site is not None and site.in_backward:
                 stack.callback(in_backward_nodes(mode, site.in_backward, [t for _, t in _floating(output)]))
-            _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others)
+            deliberate = _deliberate(output, lambda: _call_forward(
+                step.target, parameters, root, mode, writes, arguments=_arguments(root)), remedy, mode)
+            _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others, deliberate)
             frozen = getattr(remedy, "frozen", None)
             outcome.frozen = frozen(parameters, outcome.grads) if callable(frozen) and outcome.grads else ()
             if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
@@ -217,20 +224,28 @@ def _next_forward_fails(target: nn.Module, parameters: dict[str, torch.Tensor], 
     it), goes non-finite: a clamp that makes the step finite may make its gradient huge (d/dl of
     ``y / l.clamp_min(1e-7)`` is 1e7 at l = 0), and its update overflow the next forward, where by hand the run
     fails a step later. What the remedy counted (the values it moved, the calls it changed) stays the step's; a
-    forward that raises says nothing against the step."""
-    state = {key: dict(value) if isinstance(value, dict) else value for key, value in vars(remedy).items()} if hasattr(
-        remedy, "__dict__") else {}
-    applied = getattr(mode, "applied", None)
-    try:
-        again = _call_forward(target, parameters, root, mode, writes, arguments=_arguments(root))
-        return not all(_finite(tensor) for _path, tensor in _floating(again))
-    except Exception:  # (the step's verdict stands: this forward is only a check of its update)
-        return False
-    finally:
-        if state:
-            vars(remedy).update(state)
-        if applied is not None:
-            mode.applied = applied
+    forward that raises says nothing against the step, nor does a deliberate infinity (deliberate.py)."""
+    def again() -> Any:
+        return _call_forward(target, parameters, root, mode, writes, arguments=_arguments(root))
+    with held_remedy(remedy, mode):
+        try:
+            output = again()
+            bad = [path for path, tensor in _floating(output) if not _finite(tensor)]
+            return bool(bad) and not (holds_only_infinities(output) and set(bad) <= deliberate_outputs(again))
+        except Exception:  # (the step's verdict stands: this forward is only a check of its update)
+            return False
+
+
+def _deliberate(output: Any, again: Callable[[], Any], remedy: Remedy | None, mode: Any) -> frozenset[str]:
+    """The outputs whose infinities are all deliberate (deliberate.py), of a remedied replay only: the unremedied one
+    reproduces the event as the watch judged it (the tracer alone takes a ``log`` of a 0/1 batch for a mask's)."""
+    if remedy is None or not holds_only_infinities(output):
+        return frozenset()
+    with held_remedy(remedy, mode):
+        try:
+            return deliberate_outputs(again)
+        except Exception:  # (a check that cannot run leaves the strict rule, not a raised trial)
+            return frozenset()
 
 
 def _other_calls(step: FailingStep) -> tuple[RootCall, ...]:
@@ -345,12 +360,13 @@ def forward_only(step: FailingStep) -> bool:
 
 def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
            optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None,
-           others: list[Any] | None = None) -> None:
+           others: list[Any] | None = None, deliberate: frozenset[str] = frozenset()) -> None:
     tensors = _floating(output)
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     other_tensors = [dict(_floating(other)) for other in others or ()]
-    if not all(_finite(tensor) for tensor in [*outcome.outputs.values(), *(
-            tensor for other in other_tensors for tensor in other.values())]):
+    judged = [tensor for path, tensor in outcome.outputs.items() if path not in deliberate]  # (deliberate.py)
+    outcome.deliberate = bool(deliberate)
+    if not all(_finite(tensor) for tensor in [*judged, *(t for other in other_tensors for t in other.values())]):
         outcome.failed = "forward"
         return
     if forward_only(step):
@@ -408,11 +424,6 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
         outcome.failed = "optimizer step"
 
 
-def _floating(output: Any) -> list[tuple[str, torch.Tensor]]:
-    return [(path, tensor) for path, tensor in iter_tensors(output, "output", attributes=True)
-            if tensor.is_floating_point()]
-
-
 def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep,
           in_loss: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
           ) -> torch.Tensor | None:
@@ -438,18 +449,6 @@ def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: F
     if loss is not None:
         outcome.loss = float(values_to_read(loss).detach())
     return loss
-
-
-def step_alone(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()`` of a trial's rebuilt optimizer, without the global step hooks.
-
-    The watch's hook (hot/step_cycle.py) would take the trial's step for the user's: under a process
-    group, the step of a trial run from inside the user's optimizer step settled that step's agreement
-    collective early, and the ranks fell out of step. ``Optimizer`` wraps each class's ``step`` once
-    (``profile_hook_step``); the function it wraps runs the update alone.
-    """
-    step = type(optimizer).step
-    getattr(step, "__wrapped__", step)(optimizer)
 
 
 def _finite(tensor: torch.Tensor) -> bool:

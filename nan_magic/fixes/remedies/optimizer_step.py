@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from nan_magic.fixes.scale_check import OFF_SCALE
-from nan_magic.fixes.step import step_alone
+from nan_magic.fixes.stepping import step_alone
 from nan_magic.records import Report
 from nan_magic.scene.last_good import LastGood
 

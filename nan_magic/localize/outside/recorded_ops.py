@@ -55,14 +55,17 @@ class WeakRecord:
     A small one keeps its values (``kept``, detached: holding the tensor itself
     would keep its autograd node, and every tensor that node saved, alive
     through backward); ``requires_grad`` is the original's, for a replay of
-    the backward. Not a tuple: pytree would walk into one.
+    the backward. Not a tuple: pytree would walk into one. ``function``: the custom ``torch.autograd.Function``
+    whose ``apply`` returned the tensor (its node's ``_forward_cls``), or None: a fix trial that replays the ops of
+    that Function's forward one by one has not the step's backward (fixes/loss.py).
     """
 
-    __slots__ = ("kept", "key", "ref", "requires_grad")
+    __slots__ = ("function", "kept", "key", "ref", "requires_grad")
 
     def __init__(self, ref: weakref.ref[torch.Tensor], key: int, kept: torch.Tensor | None,
-                 requires_grad: bool) -> None:
+                 requires_grad: bool, function: type | None = None) -> None:
         self.ref, self.key, self.kept, self.requires_grad = ref, key, kept, requires_grad
+        self.function = function
 
 
 class Gone(Exception):
@@ -72,7 +75,8 @@ class Gone(Exception):
 def weak_record(value: torch.Tensor, keep: bool = False) -> WeakRecord:
     # A tensor without an autograd node (the batch's labels) is kept as it is: there is no node to hold.
     kept = (value if value.grad_fn is None else value.detach()) if keep else None
-    return WeakRecord(weakref.ref(value), id(value), kept, value.requires_grad)
+    return WeakRecord(weakref.ref(value), id(value), kept, value.requires_grad,
+                      getattr(value.grad_fn, "_forward_cls", None))
 
 
 def record_key(value: Any) -> int | None:
