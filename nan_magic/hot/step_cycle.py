@@ -52,7 +52,7 @@ class UpdateCode(Protocol):
 
     def begin(self) -> None: ...
 
-    def end(self) -> list[torch.Tensor]: ...
+    def end(self, step: int | None = None) -> list[torch.Tensor]: ...
 
     def judge(self, values: list[float]) -> None: ...
 
@@ -369,6 +369,22 @@ class StepCycle(CycleExit):
                 self.replays.release_stepped(opt, ids)
         if self.outside is not None and self._here.mine:
             self.timing.step_judged(self.outside)
+
+    def step_hooks_ran(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The user's post-hooks of ``opt``'s step ran, after its check (patches/step_hooks.py seats it first): the
+        parameters they wrote, recorded as the data code after the step, are judged as written by that step (a
+        max-norm projection of the weights): phase ``optimizer``, at the step whose ``opt.step()`` ran them."""
+        __tracebackhide__ = True  # (as on_step_pre)
+        if self.update_code is None or not self._here.mine:
+            return
+        # (The data region's recorder, started by the step's check, records on past this: not the reads here.)
+        aside = self.outside is not None and self.outside.step_aside()
+        try:
+            if written := self.update_code.end(self.optimizers.last_step):
+                self.timing.update_code_ended(self, written, False)
+        finally:
+            if aside and self.outside is not None:
+                self.outside.step_back()
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.
