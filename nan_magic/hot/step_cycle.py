@@ -381,7 +381,8 @@ class StepCycle(CycleExit):
         aside = self.outside is not None and self.outside.step_aside()
         try:
             if written := self.update_code.end(self.optimizers.last_step):
-                self.timing.update_code_ended(self, written, False)
+                # (Held for the deferred check as code before its calls: it ran before the next step's.)
+                self.timing.update_code_ended(self, written, True)
         finally:
             if aside and self.outside is not None:
                 self.outside.step_back()

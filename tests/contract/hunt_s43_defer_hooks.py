@@ -16,9 +16,11 @@ Each with a healthy twin: the norm floored, the std given an eps.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -106,6 +108,41 @@ def _pre_normalised(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- an EMA teacher updated by a post-hook
+def _ema_hook(first: int) -> Scenario:
+    """An EMA teacher (a watched copy) updated by an optimizer post-hook, ``ema.lerp_(p, w)`` with the bias-corrected
+    weight ``w = (1 - d) / (1 - d ** n)``, ``n`` the hook's own count from ``first``: from 0 the weight is
+    ``x / 0`` = inf (a numpy float) at the first step, and the teacher's weights inf/NaN. Twin: counted from 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    decay, count = np.float64(0.99), [first]
+
+    def update(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            weight = float((1 - decay) / (1 - decay ** count[0]))
+        count[0] += 1
+        with torch.no_grad():
+            for average, parameter in zip(ema.parameters(), model.parameters()):
+                average.lerp_(parameter, weight)  # producer: ema hook
+
+    opt.register_step_post_hook(update)
+    xs, ys = _batches(5, 4), _batches(5, 1)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            loss = F.mse_loss(model(xs[step]), ys[step]) + 0.1 * F.mse_loss(model(xs[step]), ema(xs[step]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, ema), run)
+
+
 # ---------------------------------------------------------------- weight standardisation in place, in forward
 class StandardisedLinear(nn.Linear):
     """Weight standardisation (each output row to mean 0, std 1), written in place on the weight itself."""
@@ -163,6 +200,10 @@ CASES = [
          Expect("backward", None, step=1, op="aten.div_.Tensor", marker="pre-hook normalise",
                 tensor=TensorRef.gradient("aux.weight"), cause="division-by-zero")),
     Case("hunt_s43_step_pre_hook_normalises_healthy", lambda: _pre_normalised(1e-12), None),
+    Case("hunt_s43_step_post_hook_ema_teacher_inf_weight", lambda: _ema_hook(0),
+         Expect("optimizer", "0", "Linear", step=0, op="aten.lerp_.Scalar", marker="ema hook",
+                tensor=TensorRef.parameter("0.weight"), model="Sequential#2")),
+    Case("hunt_s43_step_post_hook_ema_teacher_healthy", lambda: _ema_hook(1), None),
     Case("hunt_s43_weight_standardised_in_place_in_forward", lambda: _standardised(0.0),
          Expect("forward", "1", "StandardisedLinear", step=0, op="aten.div_.Tensor", marker="in-place standardise"),
          gaps=_gaps(f"op, line and cause: {_WRITTEN_IN_FORWARD}", "default", "defer", "full")),
