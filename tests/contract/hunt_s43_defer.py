@@ -1,4 +1,4 @@
-"""hunt_s43_defer, incidents checked for op, line, phase and step in every mode, immediate and deferred.
+"""hunt_s43_defer (1 of 2), incidents checked for op, line, phase and step in every mode, immediate and deferred.
 
 A rotary embedding whose dynamic-NTK base overflows float16; a mixture of experts whose capacity drops a token
 (its gate weights, summed by ``scatter_add_``, are 0: ``0 / 0`` after the ``index_add_`` combine); a custom
@@ -6,8 +6,10 @@ A rotary embedding whose dynamic-NTK base overflows float16; a mixture of expert
 micro-batches; a loss normalised by a token count that is 0 in one micro-batch; a linear recurrent cell whose hidden
 state overflows late in a long sequence; constrained decoding whose vocabulary mask leaves a row nothing
 (``log_softmax`` of all ``-inf``); an inverse-square-root warmup lambda that is ``0 / 0`` at step 0; Adam with
-``eps=0`` over an embedding whose ``padding_idx`` row always has a zero gradient; an in-place ``x /= x.norm()``
-inside a checkpointed block. Each with a healthy twin: the same code with an eps, a guard, or healthy data.
+``eps=0`` over an embedding whose ``padding_idx`` row always has a zero gradient; a matmul past bfloat16's range
+under CPU autocast; an in-place ``x /= x.norm()`` inside a checkpointed block (both checkpoints). Every mode already
+said the same here; the optimizer's step hooks did not (hunt_s43_defer_hooks.py). Each with a healthy twin: the same
+code with an eps, a guard, or healthy data.
 """
 
 from __future__ import annotations
@@ -325,6 +327,40 @@ def _padding_adam(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- CPU bfloat16 autocast: a matmul past the range
+class Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w  # producer: bf16 matmul
+
+
+def _autocast(peak: float) -> Scenario:
+    """The forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``; at step 2 the batch is scaled by ``peak``
+    (an unnormalised sensor batch): each of the four products is finite in bfloat16, their sum is not. Twin: peak 1e3.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(Projection(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    xs, ys = [torch.rand(3, 4) + 1.0 for _ in range(3)], _batches(3, 1)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(xs[step] * (peak if step == 2 else 1.0))
+            loss = F.mse_loss(out.float(), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 # ---------------------------------------------------------------- in-place normalisation inside a checkpoint
 class NormalisedBlock(nn.Module):
     def __init__(self, eps: float) -> None:
@@ -388,6 +424,9 @@ CASES = [
     Case("hunt_s43_adam_eps_0_padding_idx_row", lambda: _padding_adam(0.0),
          Expect("optimizer", "0", "Embedding", step=0, op="aten.addcdiv_.default", marker="padding adam step")),
     Case("hunt_s43_adam_padding_idx_row_healthy", lambda: _padding_adam(1e-8), None),
+    Case("hunt_s43_cpu_bfloat16_autocast_matmul_overflows", lambda: _autocast(8e37),
+         Expect("forward", "0", "Projection", step=2, op="aten.mm.default", marker="bf16 matmul")),
+    Case("hunt_s43_cpu_bfloat16_autocast_matmul_healthy", lambda: _autocast(1e3), None),
     Case("hunt_s43_in_place_unit_norm_in_checkpoint", lambda: _in_place_norm(0.0, False),
          Expect("forward", "block", "NormalisedBlock", step=2, op="aten.div_.Tensor", marker="in-place unit norm")),
     Case("hunt_s43_in_place_unit_norm_in_reentrant_checkpoint", lambda: _in_place_norm(0.0, True),
