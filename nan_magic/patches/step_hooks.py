@@ -60,6 +60,8 @@ def optimizer_step_hooks(pre: StepHook, post: StepHook, hooks_ran: StepHook) -> 
     handles = [optimizers.register_optimizer_step_pre_hook(hooks[0]),
                optimizers.register_optimizer_step_post_hook(hooks[1])]
     seats.global_post_id = handles[1].id
+    seats.global_hooks = any(not getattr(hook, "__module__", "").startswith(_OURS) for hook in (
+        *optimizers._global_optimizer_pre_hooks.values(), *optimizers._global_optimizer_post_hooks.values()))
     dynamo = sys.modules.get("torch._dynamo")
     callbacks = _compile_callbacks(dynamo)
 
@@ -93,21 +95,26 @@ class _Seats:
         self.pre, self.post, self.hooks_ran = pre, post, hooks_ran
         #: The key of :meth:`global_post` among torch's global post-hooks: kept last, after the user's.
         self.global_post_id = -1
+        #: Whether global step hooks of the user's were registered as the watch attached (one registered inside the
+        #: watch is not looked for at each step: an optimizer of the user's hooks then seats it).
+        self.global_hooks = False
         # id(optimizer) -> (the optimizer, weakly; its seated pre-hook's handle, its post-hook's)
         self._seated: dict[int, tuple[weakref.ref[Any], RemovableHandle, RemovableHandle]] = {}
 
     def global_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         __tracebackhide__ = True  # (as the hook's: an interrupt shows the user's frames)
-        # (An optimizer with no hook of the user's, the usual one: one dict look-up and two empty ones a step.)
-        if not self._seat(opt):
-            self.pre(opt, args, kwargs)
+        # (The usual step, no hook of the user's anywhere: fields read, no call.)
+        if (self._seated or self.global_hooks or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks) and (
+                self._seat(opt)):
+            return
+        self.pre(opt, args, kwargs)
 
     def global_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         __tracebackhide__ = True
-        if (seat := self._seated.get(id(opt))) is None or seat[0]() is not opt:
-            self.post(opt, args, kwargs)
-        else:
+        if self._seated and (seat := self._seated.get(id(opt))) is not None and seat[0]() is opt:
             self.hooks_ran(opt, args, kwargs)
+        else:
+            self.post(opt, args, kwargs)
 
     def _seat(self, opt: Any) -> bool:
         """Whether ``opt``'s step checks run from its seated hooks: seated now where its step runs the user's hooks,
@@ -126,9 +133,10 @@ class _Seats:
         _opt, pre, post = seat
         opt._optimizer_step_pre_hooks.move_to_end(pre.id)
         opt._optimizer_step_post_hooks.move_to_end(post.id, last=False)
-        # (A global post-hook the user registered inside the watch runs before the hooks' end is judged; moved now,
-        # not while torch iterates the post-hooks.)
-        if self.global_post_id in (global_posts := optimizers._global_optimizer_post_hooks):
+        # (After a global post-hook the user registered since the watch attached, which would run after it; moved
+        # now, not while torch iterates the post-hooks.)
+        global_posts: Any = optimizers._global_optimizer_post_hooks  # (an OrderedDict, typed as a dict)
+        if self.global_post_id in global_posts:
             global_posts.move_to_end(self.global_post_id)
         return True
 

@@ -37,8 +37,8 @@ def _projected(floor: float, reset_at: int | None = None, global_hook: bool = Fa
     """An embedding with ``padding_idx=0`` (its row 0 starts at 0 and its gradient is always 0) whose rows an
     optimizer post-hook projects to unit norm after every step; at ``reset_at`` the loop resets row 5 to 0 (a
     dead-token reset, never looked up again). ``reset_at`` None: the padding row is projected (``0 / 0``) from step 0.
-    ``global_hook``: the hook registered with ``register_optimizer_step_post_hook`` (removed as the run ends). Twin:
-    the norm floored."""
+    ``global_hook``: the hook registered with ``register_optimizer_step_post_hook`` before the watch. Twin: the norm
+    floored."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(6, 4, padding_idx=None if reset_at is not None else 0), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -48,15 +48,14 @@ def _projected(floor: float, reset_at: int | None = None, global_hook: bool = Fa
             table = model[0].weight
             table /= table.norm(dim=1, keepdim=True).clamp_min(floor)  # producer: max-norm projection
 
-    if not global_hook:
-        opt.register_step_post_hook(project)
+    # (A global one registered as a library does, before the watch; removed as the run ends.)
+    handle = (optimizers.register_optimizer_step_post_hook if global_hook else opt.register_step_post_hook)(project)
     with torch.no_grad():  # (unit rows from the start: the projection's own first step is a no-op on them)
         model[0].weight /= model[0].weight.norm(dim=1, keepdim=True).clamp_min(1e-12)
     ids = [torch.randint(1, 5, (5,)) for _ in range(6)]
     ys = _batches(5, 1, steps=6)
 
     def run() -> list[torch.Tensor]:
-        handle = optimizers.register_optimizer_step_post_hook(project) if global_hook else None
         losses = []
         try:
             for step in range(6):
@@ -69,7 +68,7 @@ def _projected(floor: float, reset_at: int | None = None, global_hook: bool = Fa
                 opt.step()
                 losses.append(loss.detach())
         finally:
-            if handle is not None:
+            if global_hook:
                 handle.remove()
         return losses
 

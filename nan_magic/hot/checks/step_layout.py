@@ -237,8 +237,10 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
     same: a schedule changes ``lr`` every step, and only its bound is then
     checked again, in a few operations a group.
     """
-    if type(opt) not in BOUNDED_OPTIMIZERS or not layout.wide or layout.half_state or runs_user_hooks(opt):
+    if type(opt) not in BOUNDED_OPTIMIZERS or not layout.wide or layout.half_state:
         return False
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return False  # hooks of the user's run inside its step (the watch's own are seated beside them only then)
     groups = opt.param_groups
     rest = [tuple(map(group.get, _HYPERPARAMETERS)) for group in groups]
     if rest == layout.bounded_for:  # the usual step: at most the learning rate changed since the last
