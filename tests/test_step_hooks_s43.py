@@ -106,3 +106,33 @@ def test_a_post_hook_projection_at_a_bounded_step_is_named_at_that_step(defer: b
     assert report.source is not None and report.source.line.strip().endswith("# the projection")
     assert report.cause is not None and report.cause.label == "division-by-zero"
     assert "outside the optimizer" not in report.to_text()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_post_hook_that_runs_many_ops_leaves_the_data_code_its_budget(defer: bool) -> None:
+    """A post-hook logging two statistics of each of 42 parameters (84 ops, past the data region's budget of 64) runs
+    in the data region the step's check begins; it writes no parameter, so the region starts afresh after it, and the
+    loop's standardisation of a constant feature at step 3 is still named by its op and line. (Seated without that,
+    the hook's ops put the data region over budget for good: op None.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)], nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stats: list[list[torch.Tensor]] = []
+
+    def log_statistics(o: Any, args: Any, kwargs: Any) -> None:
+        stats.append([p.detach().norm() for p in model.parameters()])
+        stats.append([p.detach().abs().max() for p in model.parameters()])
+
+    opt.register_step_post_hook(log_statistics)
+    raw, ys = [torch.randn(8, 4) for _ in range(5)], [torch.randn(8, 1) for _ in range(5)]
+    raw[3][:, 1] = 2.0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        for step in range(5):
+            x = (raw[step] - raw[step].mean(0)) / raw[step].std(0)  # the standardise
+            loss = F.mse_loss(model(x), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("data", 3, "aten.div.Tensor")
+    assert report.source is not None and report.source.line.strip().endswith("# the standardise")

@@ -137,6 +137,7 @@ class StepCycle(CycleExit):
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
         self._closure_ran = False
+        self._data_untraced = False  # the data region was over its budget before the user's step post-hooks ran
 
     # -- the counter --------------------------------------------------------------------
 
@@ -370,22 +371,37 @@ class StepCycle(CycleExit):
         if self.outside is not None and self._here.mine:
             self.timing.step_judged(self.outside)
 
+    def step_hooks_begin(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``opt``'s step check, seated before the user's post-hooks (patches/step_hooks.py), which the data region it
+        begins then records."""
+        __tracebackhide__ = True  # (as on_step_pre)
+        self.on_step_post(opt, args, kwargs)
+        # (Whether the data code itself went over its budget before: the hooks' ops are not to make it so.)
+        self._data_untraced = self.outside is not None and "data" in self.outside.untraced
+
     def step_hooks_ran(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The user's post-hooks of ``opt``'s step ran, after its check (patches/step_hooks.py seats it first): the
-        parameters they wrote, recorded as the data code after the step, are judged as written by that step (a
-        max-norm projection of the weights): phase ``optimizer``, at the step whose ``opt.step()`` ran them."""
+        """The user's post-hooks of ``opt``'s step ran, after its check: the parameters they wrote, recorded as the
+        data code after the step, are judged as written by that step (a max-norm projection of the weights, an EMA
+        teacher's update): phase ``optimizer``, at the step whose ``opt.step()`` ran them. Where they wrote none (a
+        hook logging statistics), the data region starts afresh: the loop's data code keeps its budget whatever ops
+        the hooks ran."""
         __tracebackhide__ = True  # (as on_step_pre)
         if self.update_code is None or not self._here.mine:
             return
-        # (The data region's recorder, started by the step's check, records on past this: not the reads here.)
-        aside = self.outside is not None and self.outside.step_aside()
+        outside = self.outside
+        # (The data region's recorder records on past this: not the reads here.)
+        aside = outside is not None and outside.step_aside()
+        written: list[torch.Tensor] = []
         try:
             if written := self.update_code.end(self.optimizers.last_step):
                 # (Held for the deferred check as code before its calls: it ran before the next step's.)
                 self.timing.update_code_ended(self, written, True)
         finally:
-            if aside and self.outside is not None:
-                self.outside.step_back()
+            if outside is not None and not written and not self._data_untraced:
+                outside.untraced.discard("data")
+                outside.start("data")
+            elif aside and outside is not None:
+                outside.step_back()
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.

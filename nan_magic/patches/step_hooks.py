@@ -51,11 +51,12 @@ StepHook = Callable[[Any, Any, Any], None]
 
 
 @contextmanager
-def optimizer_step_hooks(pre: StepHook, post: StepHook, hooks_ran: StepHook) -> Iterator[None]:
+def optimizer_step_hooks(pre: StepHook, post: StepHook, hooks_begin: StepHook, hooks_ran: StepHook
+                         ) -> Iterator[None]:
     """``pre`` and ``post`` as global optimizer step pre- and post-hooks while the context is entered (seated on an
-    optimizer whose step runs hooks of the user's: the module docstring; ``hooks_ran`` runs as the global post-hook
-    of such a step, once the user's post-hooks have run)."""
-    seats = _Seats(pre, post, hooks_ran)
+    optimizer whose step runs hooks of the user's, the module docstring: ``hooks_begin`` runs as its post-hook
+    before the user's, ``hooks_ran`` as the global post-hook of such a step, once the user's have run)."""
+    seats = _Seats(pre, post, hooks_begin, hooks_ran)
     hooks = (seats.global_pre, seats.global_post)
     handles = [optimizers.register_optimizer_step_pre_hook(hooks[0]),
                optimizers.register_optimizer_step_post_hook(hooks[1])]
@@ -91,8 +92,8 @@ def optimizer_step_hooks(pre: StepHook, post: StepHook, hooks_ran: StepHook) -> 
 class _Seats:
     """The watch's step hooks seated on the optimizers whose steps run hooks of the user's (module docstring)."""
 
-    def __init__(self, pre: StepHook, post: StepHook, hooks_ran: StepHook) -> None:
-        self.pre, self.post, self.hooks_ran = pre, post, hooks_ran
+    def __init__(self, pre: StepHook, post: StepHook, hooks_begin: StepHook, hooks_ran: StepHook) -> None:
+        self.pre, self.post, self.hooks_begin, self.hooks_ran = pre, post, hooks_begin, hooks_ran
         #: The key of :meth:`global_post` among torch's global post-hooks: kept last, after the user's.
         self.global_post_id = -1
         #: Whether global step hooks of the user's were registered as the watch attached (one registered inside the
@@ -128,7 +129,7 @@ class _Seats:
                 return False
             dynamo = sys.modules.get("torch._dynamo") is not None  # (a compiled step: called, not traced)
             seat = (weakref.ref(opt), opt.register_step_pre_hook(_opaque(self.pre) if dynamo else self.pre),
-                    opt.register_step_post_hook(_opaque(self.post) if dynamo else self.post))
+                    opt.register_step_post_hook(_opaque(self.hooks_begin) if dynamo else self.hooks_begin))
             self._seated[id(opt)] = seat
         _opt, pre, post = seat
         opt._optimizer_step_pre_hooks.move_to_end(pre.id)

@@ -106,6 +106,8 @@ class CodeRecorder(Protocol):
 
     #: Whether it is on the dispatch stack now (recording, or inert under a mode entered since).
     pushed: bool
+    #: The regions that went over their budget, not recorded again.
+    untraced: set[str]
 
     def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None: ...
 
