@@ -10,8 +10,7 @@ Which parameters: those whose version counter a model's first call (in training,
 whose norm it changed (a write through ``.data`` moves no version counter). Learned once per model and mode, so a
 model whose forward writes no parameter (almost every one) pays nothing after its first call; one that writes some
 pays a copy of those at each call. Not learned: a write the first call skips (``if norm > max_norm: w.data.mul_(…)``
-through ``.data``, under the limit then), or one that leaves the norm as it was. Where the first call's own write
-made a parameter non-finite, nothing was copied before it: that call is replayed from stand-ins (:func:`stand_ins`).
+through ``.data``, under the limit then), or one that leaves the norm as it was.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from torch import nn
 from nan_magic.hot.kept.buffer_copies import with_versions
 from nan_magic.hot.reads import GradOff, unreadable_reason, version_of
 
-__all__ = ["Learning", "Written", "stand_ins", "written_parameters_after", "written_parameters_before"]
+__all__ = ["Learning", "Written", "written_parameters_after", "written_parameters_before"]
 
 #: The parameters a model's forward writes in place (an empty tuple for almost every model).
 Written = tuple[torch.Tensor, ...]
@@ -59,23 +58,6 @@ def written_parameters_after(learning: Learning) -> tuple[bool, Written]:
     return learning.training, tuple(
         parameter for (parameter, _version), wrote in zip(learning.versions, moved) if wrote
     )
-
-
-def stand_ins(learning: Learning, written: Written) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """Of ``written``, the parameters the learning call itself made non-finite (their norms before it were finite),
-    each with a stand-in for its values before the call: the values it has now, the non-finite ones as 0 (as the
-    optimizer step's replay starts, localize/replay/optimizer.py). None was copied before that call, and a replay
-    from the NaN the write left meets it "already non-finite" and names no op; from the stand-ins the write runs on
-    finite values again (a constant row's ``w.div_(w.std())`` is 0 / 0 again), and the replay's report says whether
-    it reproduced the event. At the model's first call in a mode only, where it wrote any (a read each)."""
-    before = dict(zip(map(id, (parameter for parameter, _version in learning.versions)), learning.norms or ()))
-    found = []
-    with GradOff():
-        for parameter in written:
-            norm = before.get(id(parameter))
-            if norm is not None and bool(norm.isfinite()) and not bool(parameter.isfinite().all()):
-                found.append((parameter, parameter.detach().nan_to_num(0.0, 0.0, 0.0)))
-    return tuple(found)
 
 
 def _norms(parameters: list[torch.Tensor]) -> list[torch.Tensor] | None:

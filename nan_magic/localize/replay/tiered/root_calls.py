@@ -24,7 +24,7 @@ from torch import nn
 from nan_magic.distributed.ranks import is_sharded
 from nan_magic.hot.kept.buffer_copies import counted_back
 from nan_magic.hot.kept.held import running_arguments
-from nan_magic.hot.kept.parameter_writes import Learning, stand_ins, written_parameters_after
+from nan_magic.hot.kept.parameter_writes import Learning
 from nan_magic.hot.kept.rng import AutocastState, RngState, generators_at
 from nan_magic.hot.kept.saved_hooks import saved_hooks_of
 from nan_magic.hot.reads import iter_tensors, transformed_call, version_of
@@ -113,12 +113,6 @@ class RootCall:
     def wrote_its_state(self) -> bool:
         """Whether the call wrote in place what its module reads, and this holds it from before: a parameter (a
         max-norm renorm), a buffer copied before it (an ActNorm's 'initialised' flag, set at its first call)."""
-        if self.learning is not None and not self.parameters and not self.returned:
-            # An event inside the model's first call (the per-module watch's, at a module's output): what it wrote so
-            # far, as its return would have learned (step_keeping.py), with stand-ins for the values before it.
-            _training, written = written_parameters_after(self.learning)
-            if written:
-                self.parameters = stand_ins(self.learning, written)
         return bool(self.parameters) or any(
             id(buffer) in self.buffers and version_of(buffer) != version for buffer, version in self.buffer_versions)
 

@@ -23,12 +23,7 @@ from nan_magic.hot.kept.buffer_copies import BufferCopies, ScriptedBuffers, step
 from nan_magic.hot.kept.generators import states_of
 from nan_magic.hot.kept.input_writes import inputs_before
 from nan_magic.hot.kept.lines import LINES, line_at
-from nan_magic.hot.kept.parameter_writes import (
-    Written,
-    stand_ins,
-    written_parameters_after,
-    written_parameters_before,
-)
+from nan_magic.hot.kept.parameter_writes import Written, written_parameters_after, written_parameters_before
 from nan_magic.hot.kept.rng import ModelStates, RngState, any_autocast, capture_autocast, capture_rng_state
 from nan_magic.hot.kept.saved_hooks import ENTERED as SAVED_HOOKS
 from nan_magic.hot.reads import iter_tensors, version_of
@@ -313,8 +308,6 @@ class StepKeeping:
         if root.learning is not None:
             training, written = written_parameters_after(root.learning)
             self._slots[id(module)][4][training] = written
-            if written:  # (the first call of a model that writes its parameters: once per model and mode)
-                root.parameters = stand_ins(root.learning, written)
         model = id(module)  # (asked once: every top-level call)
         if not root.buffer_versions:  # (a model without buffers: nothing moved, nothing to learn)
             if model not in self._mutable:
