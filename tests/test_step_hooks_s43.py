@@ -136,3 +136,34 @@ def test_a_post_hook_that_runs_many_ops_leaves_the_data_code_its_budget(defer: b
     report = caught.value.report
     assert (report.phase, report.step, report.op) == ("data", 3, "aten.div.Tensor")
     assert report.source is not None and report.source.line.strip().endswith("# the standardise")
+
+
+@pytest.mark.parametrize("config", [{}, {"defer": True}, {"mode": "full"}], ids=["default", "defer", "full"])
+def test_a_post_hook_that_writes_every_layer_leaves_the_data_code_its_budget(config: dict[str, Any]) -> None:
+    """A healthy max-norm constraint over 21 layers' weights in a post-hook (84 ops, past the data region's budget of
+    64) writes parameters at every step; the loop's standardisation of a constant feature at step 3 is still named by
+    its op and line. (With the region started afresh only after hooks that wrote nothing, their ops put it over
+    budget for good: op None, no line; review D2.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)], nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def max_norm(o: Any, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.mul_(1.0 / p.norm(dim=1, keepdim=True).clamp_min(1.0))
+
+    opt.register_step_post_hook(max_norm)
+    raw, ys = [torch.randn(8, 4) for _ in range(5)], [torch.randn(8, 1) for _ in range(5)]
+    raw[3][:, 1] = 2.0
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **config):
+        for step in range(5):
+            x = (raw[step] - raw[step].mean(0)) / raw[step].std(0)  # the standardise
+            loss = F.mse_loss(model(x), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.phase, report.step, report.op) == ("data", 3, "aten.div.Tensor")
+    assert report.source is not None and report.source.line.strip().endswith("# the standardise")

@@ -137,7 +137,7 @@ class StepCycle(CycleExit):
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
         self._closure_ran = False
-        self._data_untraced = False  # the data region was over its budget before the user's step post-hooks ran
+        self._data_mark = (False, False, 0)  # the data region as the user's step post-hooks began (data_mark)
 
     # -- the counter --------------------------------------------------------------------
 
@@ -376,15 +376,15 @@ class StepCycle(CycleExit):
         begins then records."""
         __tracebackhide__ = True  # (as on_step_pre)
         self.on_step_post(opt, args, kwargs)
-        # (Whether the data code itself went over its budget before: the hooks' ops are not to make it so.)
-        self._data_untraced = self.outside is not None and "data" in self.outside.untraced
+        # (The data region's budget as they begin: the hooks' ops are not to spend the data code's.)
+        if self.outside is not None:
+            self._data_mark = self.outside.data_mark()
 
     def step_hooks_ran(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The user's post-hooks of ``opt``'s step ran, after its check: the parameters they wrote, recorded as the
         data code after the step, are judged as written by that step (a max-norm projection of the weights, an EMA
-        teacher's update): phase ``optimizer``, at the step whose ``opt.step()`` ran them. Where they wrote none (a
-        hook logging statistics), the data region starts afresh: the loop's data code keeps its budget whatever ops
-        the hooks ran."""
+        teacher's update): phase ``optimizer``, at the step whose ``opt.step()`` ran them. The loop's data code after
+        them keeps its budget whatever ops the hooks ran (data_after_hooks)."""
         __tracebackhide__ = True  # (as on_step_pre)
         if self.update_code is None or not self._here.mine:
             return
@@ -397,11 +397,9 @@ class StepCycle(CycleExit):
                 # (Held for the deferred check as code before its calls: it ran before the next step's.)
                 self.timing.update_code_ended(self, written, True)
         finally:
-            if outside is not None and not written and not self._data_untraced:
-                outside.untraced.discard("data")
-                outside.start("data")
-            elif aside and outside is not None:
-                outside.step_back()
+            if outside is not None:
+                # (Their records kept only where the deferred check, judging what they wrote later, names it from them.)
+                outside.data_after_hooks(self._data_mark, bool(written) and self.timing.deferred, aside)
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.
