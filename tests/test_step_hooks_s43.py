@@ -167,3 +167,30 @@ def test_a_post_hook_that_writes_every_layer_leaves_the_data_code_its_budget(con
     report = caught.value.report
     assert (report.phase, report.step, report.op) == ("data", 3, "aten.div.Tensor")
     assert report.source is not None and report.source.line.strip().endswith("# the standardise")
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_hook_dicts_cleared_by_the_loop_are_seated_afresh(defer: bool) -> None:
+    """The loop clears the optimizer's (private) hook dicts after step 0, the watch's seated hooks with them, then
+    registers a projection at step 1: no error from the watch (a KeyError from the seat's move before, review D3),
+    and the projection's 0 / 0 at step 3 is still named at that step by its op; after the watch, only the user's hook
+    is left."""
+    model, opt = _model_and_opt()
+    opt.register_step_post_hook(lambda o, args, kwargs: None)
+
+    def project(o: Any, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():
+            table = model[0].weight
+            table /= table.norm(dim=1, keepdim=True)  # the projection
+
+    with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, defer=defer):
+        _train(model, opt, steps=1)
+        opt._optimizer_step_post_hooks.clear()
+        opt._optimizer_step_pre_hooks.clear()
+        _train(model, opt, steps=1)
+        opt.register_step_post_hook(project)
+        _train(model, opt, steps=4, reset=1)
+    report = caught.value.report
+    assert (report.phase, report.module, report.step, report.op) == ("optimizer", "0", 3, "aten.div_.Tensor")
+    assert report.source is not None and report.source.line.strip().endswith("# the projection")
+    assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 1

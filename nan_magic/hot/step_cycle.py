@@ -377,7 +377,7 @@ class StepCycle(CycleExit):
         __tracebackhide__ = True  # (as on_step_pre)
         self.on_step_post(opt, args, kwargs)
         # (The data region's budget as they begin: the hooks' ops are not to spend the data code's.)
-        if self.outside is not None:
+        if self.outside is not None and self._here.mine:  # (another thread's seated step: not this watch's region)
             self._data_mark = self.outside.data_mark()
 
     def step_hooks_ran(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -121,7 +121,16 @@ class _Seats:
         """Whether ``opt``'s step checks run from its seated hooks: seated now where its step runs the user's hooks,
         and kept at their places (the pre-hook last, the post-hook first) where the user has added some since."""
         seat = self._seated.get(id(opt))
-        if seat is None or seat[0]() is not opt:
+        if seat is not None and (seat[1].id not in getattr(opt, "_optimizer_step_pre_hooks", ())
+                                 or seat[2].id not in getattr(opt, "_optimizer_step_post_hooks", ())
+                                 or seat[0]() is not opt):
+            # (Another optimizer at a freed one's id, or hook dicts the loop cleared, private as they are: seated
+            # afresh where hooks of the user's are left, else checked as a step with none.)
+            seat[1].remove()
+            seat[2].remove()
+            del self._seated[id(opt)]
+            seat = None
+        if seat is None:
             pres = getattr(opt, "_optimizer_step_pre_hooks", None)
             posts = getattr(opt, "_optimizer_step_post_hooks", None)
             # (A custom optimizer's plain dicts: nothing can be put first in them; its step is checked as before.)
