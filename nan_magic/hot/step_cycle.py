@@ -52,7 +52,7 @@ class UpdateCode(Protocol):
 
     def begin(self) -> None: ...
 
-    def end(self) -> list[torch.Tensor]: ...
+    def end(self, step: int | None = None) -> list[torch.Tensor]: ...
 
     def judge(self, values: list[float]) -> None: ...
 
@@ -137,6 +137,7 @@ class StepCycle(CycleExit):
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
         self._closure_ran = False
+        self._data_mark = (False, False, 0)  # the data region as the user's step post-hooks began (data_mark)
 
     # -- the counter --------------------------------------------------------------------
 
@@ -369,6 +370,36 @@ class StepCycle(CycleExit):
                 self.replays.release_stepped(opt, ids)
         if self.outside is not None and self._here.mine:
             self.timing.step_judged(self.outside)
+
+    def step_hooks_begin(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``opt``'s step check, seated before the user's post-hooks (patches/step_hooks.py), which the data region it
+        begins then records."""
+        __tracebackhide__ = True  # (as on_step_pre)
+        self.on_step_post(opt, args, kwargs)
+        # (The data region's budget as they begin: the hooks' ops are not to spend the data code's.)
+        if self.outside is not None and self._here.mine:  # (another thread's seated step: not this watch's region)
+            self._data_mark = self.outside.data_mark()
+
+    def step_hooks_ran(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The user's post-hooks of ``opt``'s step ran, after its check: the parameters they wrote, recorded as the
+        data code after the step, are judged as written by that step (a max-norm projection of the weights, an EMA
+        teacher's update): phase ``optimizer``, at the step whose ``opt.step()`` ran them. The loop's data code after
+        them keeps its budget whatever ops the hooks ran (data_after_hooks)."""
+        __tracebackhide__ = True  # (as on_step_pre)
+        if self.update_code is None or not self._here.mine:
+            return
+        outside = self.outside
+        # (The data region's recorder records on past this: not the reads here.)
+        aside = outside is not None and outside.step_aside()
+        written: list[torch.Tensor] = []
+        try:
+            if written := self.update_code.end(self.optimizers.last_step):
+                # (Held for the deferred check as code before its calls: it ran before the next step's.)
+                self.timing.update_code_ended(self, written, True)
+        finally:
+            if outside is not None:
+                # (Their records kept only where the deferred check, judging what they wrote later, names it from them.)
+                outside.data_after_hooks(self._data_mark, bool(written) and self.timing.deferred, aside)
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.

@@ -66,7 +66,7 @@ _pop, _push = torch._C._pop_torch_dispatch_stack, torch._C._push_on_torch_dispat
 _CALLBACKS = (
     ("module_hooks", ("pre", "post")),
     ("gradients", ("_on_output_grad", "on_backward_start")),
-    ("cycle", ("on_step_pre", "on_step_post", "backward_finished")),
+    ("cycle", ("on_step_pre", "on_step_post", "step_hooks_begin", "step_hooks_ran", "backward_finished")),
     ("optimizers", ("on_grad_accumulated", "on_scale", "before_scaler_step", "after_scaler_step")),
     ("samples", ("on_batch",)),
     ("", ("_leave",)),  # the last step's checks, the report's and the traceback's reads

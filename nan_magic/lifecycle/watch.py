@@ -300,7 +300,8 @@ class Watch(WatchEvents):
         try:
             keep_apart_from_users_modes(self, stack)  # the watch's ops unseen by the user's dispatch modes
             self.module_hooks.attach(stack)
-            stack.enter_context(optimizer_step_hooks(self.cycle.on_step_pre, self.cycle.on_step_post))
+            stack.enter_context(optimizer_step_hooks(self.cycle.on_step_pre, self.cycle.on_step_post,
+                                                     self.cycle.step_hooks_begin, self.cycle.step_hooks_ran))
             stack.enter_context(backward_patch.watch_backward(self._loss_starts))  # (first: called first)
             stack.enter_context(backward_patch.watch_backward(self.gradients.on_backward_start,
                                                               self.cycle.backward_finished))

@@ -98,6 +98,8 @@ class OptimizerChecks:
         self._last: torch.optim.Optimizer | None = None  # the last step's optimizer: watched, and in ``seen``
         # True between an optimizer's pre and post hooks: ops then belong to the optimizer phase.
         self.in_step = False
+        #: The iteration the last step's post-hook counted it in (its hooks' writes are reported there).
+        self.last_step = 0
         self._stepping: torch.optim.Optimizer | None = None  # (that optimizer, for a closure's gradients)
         #: The parameters of the step whose pre-hook read ``step_ids_of``'s layout (its ``ids``, a set made once a
         #: layout): what the step replays release at its post-hook (step_cycle.py), no set built each step.
@@ -282,7 +284,7 @@ class OptimizerChecks:
         watch = self.watch
         if not watch.here.mine:
             return
-        step = self.iterations.stepped(opt)  # watched or not: the index of the iteration it belongs to
+        step = self.last_step = self.iterations.stepped(opt)  # watched or not: the index of its iteration
         if opt is not self._last and not self.watches(opt):
             return
         try:

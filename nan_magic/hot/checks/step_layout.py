@@ -15,7 +15,11 @@ of a watch, the parameters are checked anyway (which also covers a parameter
 written outside the optimizer). A non-finite parameter read by a module is
 reported by the forward pass at the next step whatever happens here. Any
 other optimizer, half-precision parameter or state, or a non-finite
-gradient applied (``on_detect="warn"``) gets the full check every step.
+gradient applied (``on_detect="warn"``) gets the full check every step, and so does
+a step that runs the user's own step hooks (``opt.register_step_pre_hook``,
+``register_step_post_hook``, or global ones): code inside ``opt.step()`` that can
+write anything (a max-norm projection of the weights, a gradient normalisation),
+whose writes the bound says nothing of.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch.optim import optimizer as optimizers
 
 from nan_magic.records import TensorRef, TensorRole
 
 __all__ = [
     "BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr",
-    "group_value", "largest_decay", "wild_hyperparameters",
+    "group_value", "largest_decay", "runs_user_hooks", "wild_hyperparameters",
 ]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
@@ -234,6 +239,8 @@ def bounded_step(opt: torch.optim.Optimizer, layout: Layout) -> bool:
     """
     if type(opt) not in BOUNDED_OPTIMIZERS or not layout.wide or layout.half_state:
         return False
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return False  # hooks of the user's run inside its step (the watch's own are seated beside them only then)
     groups = opt.param_groups
     rest = [tuple(map(group.get, _HYPERPARAMETERS)) for group in groups]
     if rest == layout.bounded_for:  # the usual step: at most the learning rate changed since the last
@@ -295,6 +302,22 @@ def _lr_bounded(lr: float, momentum: float, weight_decay: float) -> bool:
     """The update is at most about lr x |gradient| / (1 - momentum), with |gradient| < BOUNDED_GRAD_NORM:
     a learning rate that makes that reach the float32 limit (lr = 1e38) is no bounded step (NaN compares False)."""
     return abs(lr) / (1.0 - momentum) <= BOUNDED_LR and abs(lr * weight_decay) <= BOUNDED_LR
+
+
+def runs_user_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` runs step hooks of the user's: its own (usually none, an empty look), or global ones
+    besides the watch's (looked at only where there are more than one watch's two)."""
+    hooks = (*getattr(opt, "_optimizer_step_pre_hooks", {}).values(),
+             *getattr(opt, "_optimizer_step_post_hooks", {}).values())
+    if len(_GLOBAL_PRE_HOOKS) + len(_GLOBAL_POST_HOOKS) > 2:
+        hooks += (*_GLOBAL_PRE_HOOKS.values(), *_GLOBAL_POST_HOOKS.values())
+    return any(not getattr(hook, "__module__", "").startswith(_OURS) for hook in hooks)
+
+
+#: torch's global optimizer step hooks (the watch's own are among them while it is attached: step_hooks.py).
+_GLOBAL_PRE_HOOKS = optimizers._global_optimizer_pre_hooks
+_GLOBAL_POST_HOOKS = optimizers._global_optimizer_post_hooks
+_OURS = __name__.split(".")[0] + "."
 
 
 def wild_hyperparameters(opt: torch.optim.Optimizer) -> bool:

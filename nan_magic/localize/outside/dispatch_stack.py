@@ -18,6 +18,9 @@ pushed, inert, through it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from nan_magic.patches.inference_blocks import BLOCKS, as_blocks_set
@@ -44,6 +47,10 @@ class OnTheDispatchStack:
     _watch_inferring: bool
     _budget: int
     _region: str
+    untraced: set[str]
+
+    if TYPE_CHECKING:
+        def start(self, region: str, entry: bool = False, goes_on: Callable[[], bool] | None = None) -> None: ...
 
     def _push(self) -> None:
         # (as_blocks_set, inlined: three pushes and pops a step)
@@ -111,6 +118,32 @@ class OnTheDispatchStack:
         return self.batches_aside and self._region == "data" and self.step_aside()
 
     step_back = _push  # pushed again after step_aside, as start pushes (the same function: no call more a step)
+
+    def data_mark(self) -> tuple[bool, bool, int]:
+        """The data region as an optimizer's step post-hooks begin (hot/step_cycle.py): whether it was over its
+        budget, whether batches were fetched aside, its budget left; :meth:`data_after_hooks` puts them back."""
+        return "data" in self.untraced, self.batches_aside, self._budget
+
+    def data_after_hooks(self, mark: tuple[bool, bool, int], keep: bool, aside: bool) -> None:
+        """The user's step post-hooks ran, recorded in the data region begun before them: the loop's data code after
+        them keeps the budget it had (a healthy max-norm constraint over every layer runs a hundred ops at every
+        step; they are not to leave the data code unrecorded for the rest of the run).
+
+        ``keep``: their records name the parameters they wrote, held for the deferred check: they stay, and the budget
+        is what it was as they began. Else, or where their ops ran over the budget (their records gone with it),
+        the region starts afresh. ``aside``: the recorder was stepped aside for the watch's reads (step_aside).
+        A data region over its budget before the hooks stays so: its own code ran over it.
+        """
+        was_untraced, was_aside, budget = mark
+        if not was_untraced and ("data" in self.untraced or not keep):
+            self.untraced.discard("data")
+            self.batches_aside = was_aside  # (a DataLoader's fetch did not run over it: the hooks did)
+            self.start("data")
+            return
+        if keep and not was_untraced and self._budget > 0:
+            self._budget = budget
+        if aside:
+            self.step_back()
 
     def pause(self) -> None:
         """:meth:`stop` as the watch is left; :meth:`resume` records on if it was recording (watch.resume).

@@ -197,9 +197,10 @@ class LoopWrites:
         self._wanted = "update" not in recorder.untraced
         return written
 
-    def end(self) -> list[torch.Tensor]:
+    def end(self, step: int | None = None) -> list[torch.Tensor]:
         """A region ends: the norms (not read yet) of the watched parameters its code wrote, and of those still
-        pending (the deferred check reads them all in one transfer).
+        pending (the deferred check reads them all in one transfer). ``step``: the step they are reported at, where
+        not the current one (an optimizer's step hooks' writes, judged as the step that ran them returns).
 
         Called as the update region ends (an optimizer step, a model call, the
         watch's end) and so as the data region ends too (a model call, the
@@ -209,7 +210,7 @@ class LoopWrites:
         non-finite is reported now.
         """
         if self._tracer is not None:
-            self._report_traced()
+            self._report_traced(step)
             return []
         # (Asked at every model call and optimizer step: the usual answer, nothing written, costs no call.)
         data = self.data
@@ -246,7 +247,7 @@ class LoopWrites:
         if not found:
             return []
         if not self._pending:
-            self._pending_step = self._step()
+            self._pending_step = self._step() if step is None else step
         self._pending += found
         return norms([parameter for _name, parameter, _written, _records in self._pending])
 
@@ -458,8 +459,9 @@ class LoopWrites:
         attach_origin(finding, origin)
         finding.phase = Phase.OPTIMIZER  # the user's update code is the optimizer
 
-    def _report_traced(self) -> None:
-        """Ops mode: a watched parameter whose values an op of the loop code started is reported now."""
+    def _report_traced(self, step: int | None = None) -> None:
+        """Ops mode: a watched parameter whose values an op of the loop code started is reported now (at ``step``,
+        where given: :meth:`end`)."""
         tracer = self._tracer() if self._tracer is not None else None
         if tracer is None or tracer.finding is not None or not tracer.started:
             return  # a healthy step started no origin: no parameter to look up
@@ -477,12 +479,12 @@ class LoopWrites:
                 # A module's own forward wrote it in place (a max-norm constraint under no_grad), found here by the
                 # deferred check: the forward is the producer, as the immediate tracer names it at the op.
                 finding = Finding(Phase.FORWARD, None, TensorRef.parameter(name), bad=parameter.detach(),
-                                  step=self._step())
+                                  step=self._step() if step is None else step)
                 self._attribute(finding)
                 # The report describes the op's output, the parameter beside it, as the tracer's at the op does.
                 apply_op_finding(finding, origin)
             else:
-                finding = self._finding(name, parameter)
+                finding = self._finding(name, parameter, step=step)
                 self._attach(finding, origin)
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
