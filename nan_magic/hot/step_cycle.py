@@ -391,15 +391,15 @@ class StepCycle(CycleExit):
         outside = self.outside
         # (The data region's recorder records on past this: not the reads here.)
         aside = outside is not None and outside.step_aside()
-        written: list[torch.Tensor] = []
+        held = False
         try:
             if written := self.update_code.end(self.optimizers.last_step):
                 # (Held for the deferred check as code before its calls: it ran before the next step's.)
-                self.timing.update_code_ended(self, written, True)
+                held = self.timing.update_code_ended(self, written, True)
         finally:
             if outside is not None:
-                # (Their records kept only where the deferred check, judging what they wrote later, names it from them.)
-                outside.data_after_hooks(self._data_mark, bool(written) and self.timing.deferred, aside)
+                # (Their records kept only where what they wrote is judged later, named from them then.)
+                outside.data_after_hooks(self._data_mark, held, aside)
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.

@@ -129,8 +129,9 @@ class Timing:
             first(values)
         return values
 
-    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
-        """The loop's update code wrote parameters (localize/outside/loop_writes.py): their norms are judged."""
+    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> bool:
+        """The loop's update code wrote parameters (localize/outside/loop_writes.py): their norms are judged. True
+        where they are held to be judged later (the records that name their writer must stay until then)."""
         raise NotImplementedError
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
@@ -177,8 +178,9 @@ class Immediate(Timing):
     def free_read(self, read: Callable[[], T]) -> T | None:
         return read()
 
-    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
+    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> bool:
         cycle.judge_written(read_scalars(written))
+        return False
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
         # (a finite loss, every step's, has nothing to judge: judge_loss's first test; the last output is the
@@ -241,8 +243,9 @@ class Deferred(Timing):
             if entered:
                 self.judging = None
 
-    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> None:
+    def update_code_ended(self, cycle: StepCycle, written: list[torch.Tensor], by_a_call: bool) -> bool:
         cycle.hold_written(written, by_a_call)  # read with this step's single transfer
+        return True
 
     def loss_logged(self, gradients: GradientChecks, call: Call, loss: torch.Tensor) -> None:
         if (outside := gradients.watch.outside) is not None:  # (weaken_loss_code, inlined: every backward)
