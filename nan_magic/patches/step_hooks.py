@@ -41,7 +41,7 @@ from typing import Any
 from torch.optim import optimizer as optimizers
 from torch.utils.hooks import RemovableHandle
 
-from nan_magic.hot.checks.step_layout import runs_user_hooks
+from nan_magic.hot.checks.step_layout import global_users_hooks, runs_user_hooks
 
 __all__ = ["optimizer_step_hooks"]
 
@@ -61,8 +61,7 @@ def optimizer_step_hooks(pre: StepHook, post: StepHook, hooks_begin: StepHook, h
     handles = [optimizers.register_optimizer_step_pre_hook(hooks[0]),
                optimizers.register_optimizer_step_post_hook(hooks[1])]
     seats.global_post_id = handles[1].id
-    seats.global_hooks = any(not getattr(hook, "__module__", "").startswith(_OURS) for hook in (
-        *optimizers._global_optimizer_pre_hooks.values(), *optimizers._global_optimizer_post_hooks.values()))
+    seats.global_hooks = global_users_hooks()
     dynamo = sys.modules.get("torch._dynamo")
     callbacks = _compile_callbacks(dynamo)
 

@@ -37,8 +37,8 @@ from torch.optim import optimizer as optimizers
 from nan_magic.records import TensorRef, TensorRole
 
 __all__ = [
-    "BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "group_eps", "group_lr",
-    "group_value", "largest_decay", "runs_user_hooks", "wild_hyperparameters",
+    "BOUNDED_GRAD_NORM", "BOUNDED_OPTIMIZERS", "Layout", "StepResult", "bounded_step", "global_users_hooks",
+    "group_eps", "group_lr", "group_value", "largest_decay", "runs_user_hooks", "wild_hyperparameters",
 ]
 
 #: Optimizers whose step is bounded by its gradients (see the module docstring).
@@ -309,8 +309,16 @@ def runs_user_hooks(opt: torch.optim.Optimizer) -> bool:
     besides the watch's (looked at only where there are more than one watch's two)."""
     hooks = (*getattr(opt, "_optimizer_step_pre_hooks", {}).values(),
              *getattr(opt, "_optimizer_step_post_hooks", {}).values())
-    if len(_GLOBAL_PRE_HOOKS) + len(_GLOBAL_POST_HOOKS) > 2:
-        hooks += (*_GLOBAL_PRE_HOOKS.values(), *_GLOBAL_POST_HOOKS.values())
+    return any_users(hooks) or (len(_GLOBAL_PRE_HOOKS) + len(_GLOBAL_POST_HOOKS) > 2 and global_users_hooks())
+
+
+def global_users_hooks() -> bool:
+    """Whether torch's global optimizer step hooks hold any of the user's (or a library's), besides the watch's."""
+    return any_users((*_GLOBAL_PRE_HOOKS.values(), *_GLOBAL_POST_HOOKS.values()))
+
+
+def any_users(hooks: tuple[Any, ...]) -> bool:
+    """Whether any of ``hooks`` is not the watch's own (told by the module that defines it)."""
     return any(not getattr(hook, "__module__", "").startswith(_OURS) for hook in hooks)
 
 
