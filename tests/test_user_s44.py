@@ -5,7 +5,9 @@ A loop that regresses the logit of a click-through rate meets a rate of 1.0: the
 the data alone, phase ``data``. The report said "every watched module output of this step was finite: code outside
 the modules (the loss) produced it", the loss check's note, kept when the finding moved to phase data; the same for a
 target a Dataset's ``__getitem__`` builds, whose report also said "no fix was tried: the producer ran in the loss
-code". Each with its healthy twin, silent and bit-identical.
+code". Two models kept in a dict (``parts['decoder'](parts['encoder'](x))``) were labelled by their class,
+``Sequential`` and ``Sequential#2``, or by a loop variable an earlier cell left bound to one (``in part``): they are
+named as the loop's call takes them, ``parts['decoder']``. Each with its healthy twin, silent and bit-identical.
 """
 
 from __future__ import annotations
@@ -135,18 +137,72 @@ def test_a_target_a_datasets_getitem_built_is_the_datas_not_the_losss(mode: str)
     assert watch.report is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Two models kept in a dict (parts = {'encoder': ..., 'decoder': ...}, both nn.Sequential) are labelled by their "
-    "class, 'Sequential' and 'Sequential#2' (hot/watched/root_labels.py: no name binds them): the report says "
-    "'1 (Log) in Sequential#2' where the user's code says parts['decoder']; and where a loop variable is left bound to "
-    "one (`for name, part in parts.items()` in an earlier cell), %%nantrace names it by that leftover ('in part')"))
-def test_a_model_kept_in_a_dict_is_named_by_its_key() -> None:
-    class Log(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.log()
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.log()
 
+
+def _parts(dead: bool) -> dict[str, nn.Sequential]:
     torch.manual_seed(0)
     parts = {"encoder": nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "decoder": nn.Sequential(nn.Linear(4, 4), Log())}
-    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch():
+    with torch.no_grad():
+        parts["decoder"][0].bias.fill_(-10.0 if dead else 10.0)  # dead: every input of the log negative
+    return parts
+
+
+def _autoencode(parts: dict[str, nn.Sequential]) -> list[float]:
+    opts = [torch.optim.SGD(part.parameters(), lr=1e-3) for part in parts.values()]
+    losses = []
+    for _step in range(3):
+        loss = parts["decoder"](parts["encoder"](torch.randn(5, 4))).sum()
+        for opt in opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_model_kept_in_a_dict_is_named_as_the_loop_takes_it(mode: str) -> None:
+    """Was "1 (Log) in Sequential#2": two models of one class in a dict, with no name of their own, by their class."""
+    parts = _parts(dead=True)
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(**MODES[mode]):
+        _autoencode(parts)
+    report = caught.value.report
+    assert (report.model, report.module, report.step) == ("parts['decoder']", "1", 0)
+    assert report.message.startswith("first non-finite value in forward step 0: 1 (Log) in parts['decoder']")
+
+
+@pytest.mark.parametrize("mode", ["default", "ops"])
+def test_a_loop_variable_left_bound_to_a_model_does_not_name_it(mode: str) -> None:
+    """Was "in part": the name the last ``for name, part in parts.items()`` left bound to the decoder."""
+    parts = _parts(dead=True)
+    for _name, part in parts.items():
+        part.train()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(**MODES[mode]):
         parts["decoder"](parts["encoder"](torch.randn(5, 4))).sum().backward()
-    assert caught.value.report.model == "parts['decoder']"
+    assert caught.value.report.model == "parts['decoder']" and part is parts["decoder"]
+
+
+def test_a_model_taken_by_a_variable_index_or_by_its_name_is_named_as_before() -> None:
+    parts = _parts(dead=True)
+    nets = list(parts.values())
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch():
+        for i in range(2):
+            nets[i](torch.randn(5, 4)).sum().backward()
+    assert caught.value.report.model == "Sequential#2"  # (nets[i]: no constant says which)
+    decoder = _parts(dead=True)["decoder"]
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch():
+        decoder(torch.randn(5, 4)).sum().backward()
+    assert caught.value.report.model == "decoder"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_healthy_dict_of_modules_is_silent_and_bit_identical(mode: str) -> None:
+    unwatched = _autoencode(_parts(dead=False))
+    parts = _parts(dead=False)
+    with nan_magic.watch(**MODES[mode]) as watch:
+        assert _autoencode(parts) == unwatched
+    assert watch.report is None
