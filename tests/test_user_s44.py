@@ -206,3 +206,21 @@ def test_the_healthy_dict_of_modules_is_silent_and_bit_identical(mode: str) -> N
     with nan_magic.watch(**MODES[mode]) as watch:
         assert _autoencode(parts) == unwatched
     assert watch.report is None
+
+
+@pytest.mark.parametrize("line", ["%nanwatch on --mode full", "%nanwatch --mode=full", "%%nantrace --mode full\npass"])
+def test_watchs_mode_keyword_written_as_an_option_points_to_full(ip, line: str) -> None:
+    """``mode="full"`` is watch()'s; the magics' flag is ``--full``. Was only "unrecognized arguments: --mode; the
+    options are ..."."""
+    from IPython.core.error import UsageError
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as said:
+        result = ip.run_cell(line)
+    error = result.error_in_exec or result.error_before_exec
+    assert isinstance(error, UsageError), error
+    assert " (did you mean --full? watch()'s mode=\"full\" is --full here); the options are --defer, " in str(error)
+    assert "\n" not in str(error) and said.stdout == ""
+    with capture_output() as status:
+        ip.run_line_magic("nanwatch", "status")
+    assert status.stdout.splitlines()[0] == "nan_magic: off"  # nothing attached

@@ -203,6 +203,10 @@ def test_a_full_watch_switched_off_and_on_around_an_unwatched_evaluation(tmp_pat
     assert "  local var: f32[16,6,1] finite in [-3.725e-09, " in text
     assert "last report: first non-finite value in forward step 8: norm (FrameNorm)" in cell_text(
         named_cell(nb, "status_after"))
+    # watch()'s mode="full" written as an option: the one line points to --full (was: the list alone)
+    (usage,) = cell_text(named_cell(nb, "bad_mode")).strip().splitlines()
+    assert usage.startswith("UsageError: %nanwatch: unrecognized arguments: --mode (did you mean --full? watch()'s "
+                            "mode=\"full\" is --full here); the options are --defer, "), usage
 
 
 def test_a_bare_nanwatch_over_a_loop_that_takes_the_logit_of_a_rate_of_one(tmp_path: Path) -> None:
