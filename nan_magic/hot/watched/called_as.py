@@ -6,7 +6,8 @@ call that makes it join the watch says: ``parts['decoder'](code)``. The user's f
 outside torch and nan_magic) is running that call; its source span (``co_positions`` of the instruction) is parsed,
 and where the callee is a name subscripted by constants (``parts['decoder']``, ``nets[0][1]``) that resolves, through
 plain dicts, lists and tuples only (no user ``__getitem__`` runs), to the very module, that text is the label. Any
-other callee (``model``, ``self.critic``, ``nets[i]``) says nothing here. Only at a join: no cost a step.
+other callee (``model``, ``self.critic``, ``nets[i]``) says nothing here, nor does any call before Python 3.11 (no
+``co_positions``). Only at a join: no cost a step.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def let_go(frame: FrameType, local: dict[str, Any]) -> None:
 
 def _callee(frame: FrameType) -> ast.expr | None:
     """The callee of the call the frame's current instruction makes, where it is a subscript by constants."""
+    if sys.version_info < (3, 11):  # (no co_positions: the class or a bound name labels it, as before)
+        return None
     positions = list(frame.f_code.co_positions())
     index = frame.f_lasti // 2
     if not 0 <= index < len(positions):
