@@ -28,7 +28,7 @@ MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "fu
 NOT_RUN = {
     ("focal-of-zero", "ops"): "fixes-no-loss-code",  # (ops mode keeps no record of the loss code to run again)
     ("empty-mask", "ops"): "fixes-no-loss-code",
-    ("empty-class", "ops"): "fixes-no-loss-code",
+    ("empty-class", "ops"): "fixes-no-data-code",  # (1 / the counts the loop took of the targets: data code)
 }
 
 

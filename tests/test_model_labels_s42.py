@@ -1,8 +1,9 @@
 """Which model a report means when several are found, not given (hunt-b-s42).
 
-A discovering ``watch()`` labels each model by the name the loop calls it by (``G``, ``D``); a model with no name
-of its own (one of a list) by its class, numbered from the second of that class; ``%%nantrace`` with no targets by
-the namespace's names, numbered the same way where two share a class and have no name. The label is what the
+A discovering ``watch()`` labels each model by the name the loop calls it by (``G``, ``D``, or ``nets[1]`` where the
+call takes it from a container by constants); a model with no name of its own (``nets[i]``) by its class, numbered
+from the second of that class; ``%%nantrace`` with no targets by the namespace's names, numbered the same way where two
+share a class and have no name. The label is what the
 report's ``model`` and its headline say.
 """
 
@@ -60,14 +61,15 @@ def test_a_discovered_generator_called_through_a_helper_is_named_by_its_callers_
     assert (caught.value.report.model, caught.value.report.module) == ("G", "1")
 
 
-def test_two_models_of_a_list_found_by_a_notebook_cell_get_two_labels(ip) -> None:
+def test_two_models_of_a_list_found_by_a_notebook_cell_get_the_labels_their_calls_write(ip) -> None:
     ip.run_cell("import torch\nfrom torch import nn\nfrom test_model_labels_s42 import _pair\n"
                 "nets = list(_pair())\nwith torch.no_grad():\n    nets[1][0].weight.zero_(); nets[1][0].bias.zero_()")
     ip.user_ns.pop("_nan_report", None)
     with capture_output():
         ip.run_cell("%%nantrace\nnets[1](nets[0](torch.randn(5, 4))).mean().backward()")
     report = ip.user_ns["_nan_report"]
-    assert (report.model, report.module, report.models_watched) == ("Sequential#2", "1", 2)
+    # (session 44: was "Sequential#2"; the cell's call takes it from the list by a constant, which says which)
+    assert (report.model, report.module, report.models_watched) == ("nets[1]", "1", 2)
 
 
 def test_learning_a_discovered_models_name_keeps_none_of_the_loops_tensors_alive() -> None:

@@ -74,7 +74,8 @@ def test_the_bf16_vit_whose_attention_overflows(tmp_path: Path) -> None:
 
 def test_the_gnn_whose_isolated_node_divides_by_zero(tmp_path: Path) -> None:
     nb = run("gnn_isolated.ipynb", tmp_path)
-    one_line_usage_error(named_cell(nb, "bad_option"), "UsageError: %nanwatch: unrecognized arguments: --mode;")
+    one_line_usage_error(named_cell(nb, "bad_option"), "UsageError: %nanwatch: unrecognized arguments: --mode (did "
+                         "you mean --full? watch()'s mode=\"full\" is --full here);")
     assert cell_text(named_cell(nb, "watch")).strip() == (
         "nan_magic: watching every cell (every module called) until %nanwatch off")
     short = short_error(named_cell(nb, "train"))

@@ -79,7 +79,8 @@ def test_the_regressor_whose_batch_standardisation_meets_a_constant_column(tmp_p
     name = "tabular_batch_std.ipynb"
     nb = run(name, tmp_path)
     assert one_line(named_cell(nb, "bad_option")).startswith(
-        "UsageError: %%nantrace: unrecognized arguments: --mode; the options are --defer,")
+        "UsageError: %%nantrace: unrecognized arguments: --mode (did you mean --full? watch()'s mode=\"full\" is "
+        "--full here); the options are --defer,")
     assert one_line(named_cell(nb, "bad_target")) == (
         "UsageError: %%nantrace: cannot evaluate target 'regg': name 'regg' is not defined")
     assert cell_text(named_cell(nb, "unchanged")).split() == ["0", "0", "0.5446"]  # no hook, no step taken

@@ -192,7 +192,7 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
     calls = kept.replays.calls if kept.replays is not None else ()
     read = _read_by_the_loss(report, kept.loss, root, calls)
     if isinstance(read, str) or (report.phase == Phase.DATA and read is None and not holds_nonfinite(root)):
-        raise _NoTrial(Note.of("fixes-no-loss-code", reason=read) if isinstance(read, str) else (
+        raise _NoTrial(Note.of(_no_code_kind(report), reason=read) if isinstance(read, str) else (
             none_fit(report) or Note("fixes-batch-outside")))  # (as the tiered watch says it)
     before_loss = read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
                                                                   and not _in_loss_code(report)))
@@ -205,6 +205,11 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
                        scalers=tuple(kept.loss.scalers), before_loss_code=before_loss and not kept.loss.judged_at_check)
     return try_fixes(report, step, roots, last_good, data_code=kept.loss.recorder,
                      reproduce="traced" if kept.traced else "per-call", in_loss=read is not None)
+
+
+def _no_code_kind(report: Report) -> str:
+    """A producer in code the trials cannot run again: the data code's (a target it built) or the loss code's."""
+    return "fixes-no-data-code" if report.phase == Phase.DATA else "fixes-no-loss-code"
 
 
 def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.optim.Optimizer],
@@ -228,7 +233,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         if root is None and replays.calls:
             loss_read = _read_by_the_loss(report, loss, replays.calls[-1], replays.calls)
             if isinstance(loss_read, str):
-                raise _NoTrial(Note.of("fixes-no-loss-code", reason=loss_read))
+                raise _NoTrial(Note.of("fixes-no-data-code", reason=loss_read))
             root = replays.calls[-1] if loss_read is not None else None
     elif _in_loss_code(report) and root is None and replays.calls:
         root = replays.calls[-1]

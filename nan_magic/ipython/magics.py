@@ -456,5 +456,8 @@ def _with_the_options(message: str, magic: Any) -> str:
     options = sorted(option for option in magic.parser._option_string_actions if option.startswith("--"))
     unknown = [word for word in message.split(":", 1)[1].split() if word.startswith("-")]
     near = difflib.get_close_matches(unknown[0].split("=", 1)[0], options, n=1, cutoff=0.75) if unknown else []
-    guess = f" (did you mean {near[0]}?)" if near else ""
+    if unknown and unknown[0].split("=", 1)[0] == "--mode":
+        # watch()'s keyword written as an option (--mode full): the magics' flag for mode="full" is --full.
+        near = ["--full? watch()'s mode=\"full\" is --full here"]
+    guess = f" (did you mean {near[0]}{'' if near[0].endswith('here') else '?'})" if near else ""
     return f"{message}{guess}; the options are {', '.join(options)}"

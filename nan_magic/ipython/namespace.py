@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.hot.watched.called_as import called_as
 from nan_magic.hot.watched.targets import _is_grad_scaler
 
 __all__ = ["discover", "models_on_a_device", "namespace_scalers", "target_namer"]
@@ -59,8 +60,9 @@ def models_on_a_device(namespace: dict[str, Any]) -> bool:
 def target_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable[[Any], str | None]:
     """How a model first called at top level, or an optimizer first stepping, joins the watch.
 
-    Without targets, every model joins, under its name in the namespace (or
-    its class name); every optimizer is watched anyway. With targets, one
+    Without targets, every model joins, under the container item its call
+    takes it as (``parts['decoder']``), or its name in the namespace (or its
+    class name); every optimizer is watched anyway. With targets, one
     joins when a target expression, looked up again now, is that object: a
     cell that rebuilds ``model, opt`` is watched on the new ones, and
     nothing else is.
@@ -68,6 +70,11 @@ def target_namer(namespace: dict[str, Any], expressions: list[str]) -> Callable[
 
     def name_new_target(target: Any) -> str | None:
         if not expressions:
+            # As the calling line takes it from a container (``parts['decoder'](x)``), before a name that happens to
+            # be bound to it (a loop variable an earlier cell left): hot/watched/called_as.py.
+            called = called_as(target)
+            if called is not None:
+                return called
             names = (name for name, value in list(namespace.items()) if value is target and not name.startswith("_"))
             return next(names, type(target).__name__)
         for expression in expressions:

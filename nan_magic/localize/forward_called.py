@@ -4,7 +4,8 @@
 where the watch records the loop's code: a non-finite value it makes reaches the first child as a batch would (phase
 ``data``), or, made after its last child's call, the loss as the loss code's would (phase ``forward``, no module).
 PRODUCT.md's phase and module say where the producer ran, a module's forward; so the frames that ran the op are
-asked, at the event only, whether one of them is a watched module's ``forward``.
+asked, at the event only, whether one of them is a watched module's ``forward``. The other way round, the loss
+check's finding whose op the loop's code ran on outside data alone is the data's (:func:`made_by_data_code`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from torch import nn
 
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.watched.targets import ModuleInfo
-from nan_magic.records import Phase
+from nan_magic.records import Note, Phase
 
-__all__ = ["in_forward_called"]
+__all__ = ["in_forward_called", "made_by_data_code"]
 
 #: Frames walked out from the op's (a helper the forward called, the forward, the loop's line that called it).
 _DEPTH = 32
@@ -42,3 +43,10 @@ def in_forward_called(finding: Finding, info_by_id: Callable[[int], ModuleInfo |
                 finding.notes = [note for note in finding.notes if note.kind != "outside-made-it"]
                 return
         frame = frame.f_back
+
+
+def made_by_data_code(finding: Finding) -> None:
+    """The loss check's finding whose op the loop's code (or a Dataset's) ran on outside data alone, a target it
+    built: phase ``data`` (PRODUCT.md), and its note says so instead of the loss check's, which blamed the loss."""
+    finding.phase = Phase.DATA
+    finding.notes = [Note("data-code-made-it") if note.kind == "outside-made-it" else note for note in finding.notes]

@@ -28,7 +28,7 @@ from nan_magic.hot.kept.finding import Finding, named_inputs, record_ref
 from nan_magic.hot.reads import is_checkable, relevant_kinds
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
-from nan_magic.localize.forward_called import in_forward_called
+from nan_magic.localize.forward_called import in_forward_called, made_by_data_code
 from nan_magic.localize.ops.origins import OpFinding, apply_op_finding, attach_origin
 from nan_magic.localize.ops.reached import bad_origin, failed_ops
 from nan_magic.localize.ops.tracer import OpTracer
@@ -238,7 +238,7 @@ class OpOrigins:
             if (outside is not None and self.tracer is None and outside.claimed_from_data) or origin.from_data:
                 # The data code built it from outside data alone (a target from the annotations): data (PRODUCT.md).
                 # The recorded modes tell it from the data region's records; ops mode's live tracer by its taint.
-                finding.phase = Phase.DATA
+                made_by_data_code(finding)
             if frame is not None:
                 finding.frame, finding.frame_position = frame, position
                 if outside is not None and self.tracer is None:
@@ -246,7 +246,7 @@ class OpOrigins:
                 if _dataset_code(frame, finding.frame_calls):
                     # A Dataset's own code (``__getitem__``, an IterableDataset's ``__iter__``) made what the loss
                     # read: the targets given to the loss, which are data (PRODUCT.md: phase), not the loss code.
-                    finding.phase = Phase.DATA
+                    made_by_data_code(finding)
                 in_forward_called(finding, self._info_by_id)  # unless a model's own forward ran it (model.forward(x))
             # The op may have run inside a module whose output no check read (a result object it returned): typed.
             self._name_type_and_model(finding)

@@ -6,14 +6,15 @@ outside torch and nan_magic) is asked, once, as the model joins, for a name boun
 notebook's namespace names them for ``%%nantrace`` and a script's globals for the CLI. A helper's parameter
 (``def step(net, x): return net(x)``) names every model it is given alike, so the name its caller binds is looked for
 first (``step(G, x)``'s ``G``); a name another model joined under, rebound to this one (``model = Model()`` again in a
-later cell), is numbered (``model#2``). Where no frame binds the model to a name of its
-own (``models[1](x)``, ``self.critic(x)``), its class names it, numbered from the second model of that class on
-(``Sequential#2``): a label the watch already gave is never given again. Only at a join: no cost a step.
+later cell), is numbered (``model#2``). A model the calling line takes from a container by constants
+(``parts['decoder'](x)``, ``models[1](x)``) is named as written there (called_as.py), before any name bound to it (a
+loop variable left over). Where no frame names the model (``nets[i](x)``, ``self.critic(x)``), its class names it,
+numbered from the second model of that class on (``Sequential#2``): a label the watch already gave is never given
+again. Only at a join: no cost a step.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Collection
 from types import FrameType
@@ -21,15 +22,9 @@ from types import FrameType
 from torch import nn
 
 from nan_magic.errors.frames import is_library_code
+from nan_magic.hot.watched.called_as import called_as, let_go
 
 __all__ = ["distinct_label", "name_in_callers"]
-
-#: Whether a function frame's ``f_locals`` is a snapshot the frame keeps (PEP 667 made it a view in 3.13).
-_SNAPSHOTS = sys.version_info < (3, 13)
-
-#: ``sys.getrefcount`` of a frame's snapshot that only the frame and :func:`_bound_names` hold: the frame, its
-#: ``local`` and the call's argument. More: the user's code (``env = locals()``), or a debugger, holds it too.
-_HELD_BY_FRAME_AND_US = 3
 
 #: How many of the user's frames out from the call are asked for a name (a loop, a helper or two, the script).
 FRAMES_ASKED = 8
@@ -45,7 +40,10 @@ def name_in_callers(module: nn.Module, taken: Collection[str | None]) -> str | N
     while frame is not None and asked < FRAMES_ASKED:
         if not is_library_code(frame.f_code):
             asked += 1
-            for name in _bound_names(frame, module):
+            called, names = _bound_names(frame, module, calling=asked == 1)
+            if called is not None:
+                return distinct_label(called, taken)
+            for name in names:
                 if name in taken:
                     rebound = rebound or name
                 elif name not in _parameters(frame):
@@ -57,19 +55,15 @@ def name_in_callers(module: nn.Module, taken: Collection[str | None]) -> str | N
     return parameter or (distinct_label(rebound, taken) if rebound is not None else None)
 
 
-def _bound_names(frame: FrameType, module: nn.Module) -> list[str]:
+def _bound_names(frame: FrameType, module: nn.Module, calling: bool) -> tuple[str | None, list[str]]:
+    """How the frame names ``module``: as its call takes it from a container (``calling``: the frame calling it), and
+    every name bound to it."""
     local = frame.f_locals
+    called = called_as(module, frame, local) if calling else None
     names = [name for scope in (local, frame.f_globals) for name, value in list(scope.items())
              if value is module and not name.startswith("_") and name != "self"]
-    if (_SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and local is not frame.f_globals
-            and sys.getrefcount(local) <= _HELD_BY_FRAME_AND_US):
-        # Before Python 3.13 a function's ``f_locals`` is a snapshot the frame keeps: it would hold what the loop's
-        # locals were at the join (the generator's output, its graph, when D joins) for as long as the loop runs.
-        # Emptied, it holds nothing; CPython fills it afresh wherever it is read (``locals()``, a tracer's call).
-        # It is the very dict ``locals()`` gave the user's code: one they kept (``env = locals()``) is theirs, and
-        # stays as it is (it holds those values anyway, for as long as they keep it).
-        local.clear()
-    return names
+    let_go(frame, local)
+    return called, names
 
 
 def _parameters(frame: FrameType) -> tuple[str, ...]:

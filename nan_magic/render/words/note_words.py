@@ -40,6 +40,8 @@ _TEMPLATES: dict[str, str] = {
     # hot/: the boundary checks
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
+    "data-code-made-it": "every watched module output of this step was finite: code outside the modules made it "
+                         "from the data alone (a target or an input it built), not from a model's output",
     "outputs-were-bad": "some module outputs of this step were already non-finite",
     "given-gradient": "the loop gave this gradient to backward() (out.backward(gradient)): no watched code produced "
                       "it, and the backward would carry it into every gradient of the model",
@@ -160,6 +162,8 @@ _TEMPLATES: dict[str, str] = {
     "fixes-replay-raised": "no fix was tried: the failing step, run again on copies as it ran, raised {error}",
     "fixes-no-loss-code": "no fix was tried: the producer ran in the loss code, which the trials could not run "
                           "again: {reason}",
+    "fixes-no-data-code": "no fix was tried: the producer ran in code that built the data (a target, an input), "
+                          "which the trials could not run again: {reason}",
     "fixes-no-op": "no fix was tried: the remedies fit the producer's op, which was not named; " + _OPS,
     "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
     "fixes-none-fit": "no fix was tried: the producer's op ({op}) is not one a remedy changes at its line (the "
