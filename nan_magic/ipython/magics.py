@@ -455,9 +455,11 @@ def _with_the_options(message: str, magic: Any) -> str:
         return message
     options = sorted(option for option in magic.parser._option_string_actions if option.startswith("--"))
     unknown = [word for word in message.split(":", 1)[1].split() if word.startswith("-")]
-    near = difflib.get_close_matches(unknown[0].split("=", 1)[0], options, n=1, cutoff=0.75) if unknown else []
-    if unknown and unknown[0].split("=", 1)[0] == "--mode":
+    given = unknown[0].split("=", 1)[0] if unknown else None
+    near = difflib.get_close_matches(given, options, n=1, cutoff=0.75) if given else []
+    if given == "--mode":
         # watch()'s keyword written as an option (--mode full): the magics' flag for mode="full" is --full.
-        near = ["--full? watch()'s mode=\"full\" is --full here"]
-    guess = f" (did you mean {near[0]}{'' if near[0].endswith('here') else '?'})" if near else ""
+        guess = " (did you mean --full? watch()'s mode=\"full\" is --full here)"
+    else:
+        guess = f" (did you mean {near[0]}?)" if near else ""
     return f"{message}{guess}; the options are {', '.join(options)}"
