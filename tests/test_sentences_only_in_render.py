@@ -1,11 +1,11 @@
 """Only render/ writes sentences (issue 25, item 5; PRODUCT.md: "a cause carries its kind and its numbers; only
 the renderers write sentences"): the engine keeps a reason as its kind and its values, never as words.
 
-An AST scan of nan_magic/ outside render/ for string literals of six or more words. What may hold one, and why:
-docstrings; an exception's or a warning's message, given where it is raised (``raise``, ``warnings.warn``,
-``pytest.fail``); a flag's help (``help=``, ``description=``: argparse, the magics' ``@argument``, a pytest
-marker's line); a regex (a raw string, or the pattern of an ``re`` call); and the few places in
-:data:`_ALLOWED`, each with why its words are no fact of a report.
+An AST scan of nan_magic/ outside render/ for string literals (an f-string as a whole) of six or more words. What
+may hold one, and why: docstrings; an exception's or a warning's message, given where it is raised (``raise``,
+``warnings.warn``, ``pytest.fail``), and a front end's status line where it prints it; a flag's help (``help=``,
+``description=``: argparse, the magics' ``@argument``, a pytest marker's line); a regex (a raw string, or the
+pattern of an ``re`` call); and the few places in :data:`_ALLOWED`, each with why its words are no fact of a report.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from nan_magic.records import Note
 _PACKAGE = pathlib.Path(nan_magic.__file__).parent
 #: A string of this many words or more is a sentence.
 _WORDS = 6
-#: The calls whose arguments are a message raised or warned to the user, or a marker's help.
-_MESSAGE_CALLS = frozenset({"warn", "warn_explicit", "fail", "addinivalue_line"})
+#: The calls whose arguments are a message raised or warned to the user, a marker's help, or a front end's status
+#: line it prints (the engine prints nothing: DESIGN.md).
+_MESSAGE_CALLS = frozenset({"warn", "warn_explicit", "fail", "addinivalue_line", "print"})
 #: The keyword arguments that are a flag's or a command's help.
 _HELP_KEYWORDS = frozenset({"help", "description", "epilog", "usage"})
 #: The ``re`` functions whose first argument is a pattern.
@@ -36,8 +37,7 @@ _ALLOWED: dict[tuple[str, str], str] = {
     ("ipython/magics.py", "NanMagics._turn_off"): "the magic's status line, printed as the user turns the watch off",
     ("ipython/magics.py", "NanMagics._describe"): "the magic's status line: how the watch is set up",
     ("ipython/magics.py", "NanMagics._status"): "the magic's status line: whether a watch is on",
-    ("ipython/held_watch.py", "HeldWatchMagics.unload"): "the status line printed as the user unloads the extension",
-    ("cli.py", "_run"): "the command line's status line, printed where the script ran clean",
+    ("ipython/magics.py", "_with_the_options"): "the magics' usage error, argparse's message said plainly",
     ("errors/frames.py", "short_traceback"): "the last line of the short traceback IPython shows for the "
                                              "exception (its _render_traceback_)",
     ("errors/exceptions.py", "peer_message"): "the message of the exception a peer rank raises (its args)",
@@ -68,10 +68,11 @@ def _sentences(path: pathlib.Path) -> list[tuple[str, int, str]]:
                 exempt.update(id(sub) for sub in ast.walk(node.args[0]))
     found = []
     for function, node in _strings(tree, "<module>"):
-        if id(node) in exempt or len(node.value.split()) < _WORDS or (
-                ast.get_source_segment(source, node) or "")[:1] in ("r", "R"):  # (a raw string: a regex)
+        text = _words(node)
+        if id(node) in exempt or len(text.split()) < _WORDS or "r" in (
+                ast.get_source_segment(source, node) or "'").split("'")[0].split('"')[0].lower():  # (raw: a regex)
             continue
-        found.append((function, node.lineno, node.value))
+        found.append((function, node.lineno, text))
     return found
 
 
@@ -80,20 +81,31 @@ def _called(call: ast.Call) -> str:
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
-def _strings(node: ast.AST, function: str, in_class: bool = False) -> list[tuple[str, ast.Constant]]:
-    """Each string constant under ``node`` with the outermost function it is in (``Class.method`` for a method;
-    the class's name for its body, ``<module>`` for the module's)."""
-    found = []
+def _strings(node: ast.AST, function: str, in_class: bool = False) -> list[tuple[str, ast.Constant | ast.JoinedStr]]:
+    """Each string under ``node`` (a constant, or an f-string as a whole) with the outermost function it is in
+    (``Class.method`` for a method; the class's name for its body, ``<module>`` for the module's)."""
+    found: list[tuple[str, ast.Constant | ast.JoinedStr]] = []
     for child in ast.iter_child_nodes(node):
         inside, of_class = function, False
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and (function == "<module>"
                                                                                          or in_class):
             inside = child.name if function == "<module>" else f"{function}.{child.name}"
             of_class = isinstance(child, ast.ClassDef)
-        if isinstance(child, ast.Constant) and isinstance(child.value, str):
+        if isinstance(child, ast.JoinedStr) or (isinstance(child, ast.Constant) and isinstance(child.value, str)):
             found.append((function, child))
+        if isinstance(child, ast.JoinedStr):  # (its parts are counted as the whole; a value inside it is code)
+            found.extend(item for part in child.values if isinstance(part, ast.FormattedValue)
+                         for item in _strings(part, inside))
+            continue
         found.extend(_strings(child, inside, of_class or (in_class and inside == function)))
     return found
+
+
+def _words(node: ast.Constant | ast.JoinedStr) -> str:
+    """A string's words; an f-string's with each value it fills in as one word."""
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    return "".join(part.value if isinstance(part, ast.Constant) else "x" for part in node.values)
 
 
 def _scan() -> dict[tuple[str, str], list[tuple[int, str]]]:
@@ -143,15 +155,17 @@ def test_a_refused_scene_part_reads_as_it_did(what: str | None, words: str) -> N
 
 
 def test_the_scan_finds_a_reason_written_as_words(tmp_path: pathlib.Path) -> None:
-    """The scan is no test that cannot fail: a reason returned as a sentence is found, a raised one is not."""
+    """The scan is no test that cannot fail: a reason returned as words is found (an f-string whose parts are short,
+    as fixes/runner.py's time budget was), a raised message, a regex and a docstring are not."""
     module = tmp_path / "reasons.py"
     module.write_text(
         '"""A module whose docstring is a sentence of many words."""\n'
         "import re\n"
         "def why(budget):\n"
         '    """Why the trial was not run, in a docstring of words."""\n'
-        '    if budget is None:\n'
+        "    if budget is None:\n"
         '        raise ValueError("the budget is missing and the trial cannot run")\n'
         '    re.compile("a pattern of many words that is a regex")\n'
-        '    return f"the time budget ({budget:.2g} s) was spent on the others"\n')
-    assert [(function, line) for function, line, _text in _sentences(module)] == [("why", 8)]
+        "    pattern = r'a raw string of many words that is a regex'\n"
+        '    return f"the time budget ({budget:.2g} s) was spent"\n')
+    assert [(function, line) for function, line, _text in _sentences(module)] == [("why", 9)]
