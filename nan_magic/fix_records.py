@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from nan_magic.locations import SourcePointer
+from nan_magic.note_records import Note
 
 __all__ = ["AFTER_THE_LOSS", "BOUNDED_FUNCTIONS", "DOMAIN_USES", "FUNCTIONS", "SHIFTED_FUNCTIONS", "UNIT_FUNCTIONS",
            "FailedAt", "FixSite", "FixTrial", "install_describer", "whole_power"]
@@ -88,7 +89,8 @@ class FixTrial:
 
     ``facts``: the plain values render/fixes.py describes it from. ``finite``: True only when the replayed
     step (forward, backward, optimizer step, on copies) came out finite end to end; ``failed`` says where
-    it did not (``error``: what it raised), ``untried`` why it was not run (``finite`` None).
+    it did not (``error``: what it raised), ``reason`` why it was not run or not counted (``finite`` None): a
+    :class:`~nan_magic.note_records.Note`, its kind and its numbers, whose sentence render/ writes (``untried``).
     ``output_change``: the largest change of the model's output against the unremedied replay's finite part.
     """
 
@@ -104,7 +106,7 @@ class FixTrial:
     failed: FailedAt | None = None
     #: The exception a step that ``failed`` with ``"raised"`` raised: ``(type name, its message's first line)``.
     error: tuple[str, str] | None = None
-    untried: str | None = None
+    reason: Note | None = None
 
     def fact(self, name: str, default: Any = None) -> Any:
         """The value of the fact ``name``, or ``default``."""
@@ -114,6 +116,11 @@ class FixTrial:
     def where(self) -> FixSite:
         """Where the remedy was applied (``op``, ``module``, ``source``), as one value: PRODUCT.md's ``where``."""
         return FixSite(self.op, self.module, self.source)
+
+    @property
+    def untried(self) -> str | None:
+        """Why the remedy was not run, or not counted as a fix, in words (``reason``'s sentence, written by render/)."""
+        return None if self.reason is None else self.reason.text
 
     @property
     def description(self) -> str:

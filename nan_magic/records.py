@@ -35,7 +35,6 @@ __all__ = [
 #: The three kinds of non-finite value, in the order reports show them.
 KINDS = ("nan", "+inf", "-inf")
 
-
 #: How a value outside every watched module is named (``module`` None).
 OUTSIDE_MODULES = "code outside any watched module"
 #: How the producer is named where no check saw the value and nothing named it (:attr:`Report.unlocated`).
@@ -436,7 +435,8 @@ class Report:
         data = jsonable(cells_named(dataclasses.asdict(self)))
         if self.cause is not None:  # its sentences too, for a reader of the JSON without nan_magic
             data["cause"].update(hint=self.cause.hint, evidence=list(self.cause.evidence))
-        data["notes"] = list(self.notes)  # the sentences too, as for the cause
+        data["notes"] = list(self.notes)  # the sentences too, as for the cause; and each trial's why not (untried)
+        data["fixes"] = [{**fix, "untried": trial.untried} for fix, trial in zip(data["fixes"], self.fixes)]
         return data
 
     def to_json(self, **kwargs: Any) -> str:

@@ -352,7 +352,7 @@ _DOTS_READ = {
     ("tensor_refs.py", "op_function"): "torch's own OpOverload name (namespace.name.overload), read in one place",
     ("distributed/ranks.py", "user_path"): "torch's qualified name from named_modules, as it walks the live model",
     ("localize/ops/masks.py", "buffers"): "torch's qualified name from named_buffers, of the live module",
-    ("scene/load.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
+    ("scene/older_scenes.py", "_path"): "the scene loader's compat path: a version 2-4 scene stored no layer's path",
     ("localize/ops/sources.py", "hook_definer"): "Python's co_qualname of a hook's code (its class), not a module name",
     ("localize/ops/sources.py", "defined_below"): "Python's co_qualname of a forward line's code (its class), as above",
     ("localize/op_origins.py", "birth_order"): "torch's qualified names of the live model: a parameter's (from "

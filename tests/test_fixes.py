@@ -20,7 +20,7 @@ from torch import nn
 import nan_magic
 from nan_magic.fixes import runner
 from nan_magic.plain import from_plain, to_plain
-from nan_magic.records import FixTrial, Phase, Report, SourcePointer
+from nan_magic.records import FixTrial, Note, Phase, Report, SourcePointer
 from nan_magic.render.edits import suggested_edit
 from nan_magic.render.fixes import fix_lines
 
@@ -563,7 +563,7 @@ def test_only_the_first_real_event_is_tried_when_the_run_goes_on() -> None:
 def test_an_eps_trial_that_met_no_operand_names_the_eps_without_a_blank(function: str, line: str) -> None:
     # Not tried (no call at the producer's line): no eps or dtype was read; it read "(the  machine eps)".
     trial = FixTrial("eps", "aten.div_.Tensor", "fc", None, (("function", function),),
-                     untried="it found nothing to change at the producer's line")
+                     reason=Note("nothing-to-change"))
     assert trial.description == line
 
 

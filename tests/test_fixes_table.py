@@ -44,7 +44,7 @@ from test_fixes_steps import _demo, _scaled_run
 from torch import nn
 
 import nan_magic
-from nan_magic.records import FixTrial, Report
+from nan_magic.records import FixTrial, Note, Report
 from nan_magic.render.edits import suggested_edit
 
 #: Steps the fixed code must train past the failing one.
@@ -342,7 +342,8 @@ def test_a_forward_event_at_the_first_step_says_why_no_loss_was_computed() -> No
     # whole why stays in the trial's facts.
     assert ("no loss: the failing step stopped before its loss code ran (the backward started from ones into the "
             "model's outputs)") in report.to_text()
-    assert trial.fact("loss_not_computed") == (
+    assert trial.fact("loss_not_computed") == Note("no-earlier-backward").pair  # (a kind, never words: facts)
+    assert Note.from_pair(trial.fact("loss_not_computed")).text == (
         "the forward failed before this step's loss code ran, and no earlier step ran backward() watched")
 
 
@@ -397,7 +398,9 @@ def test_a_forward_event_after_the_first_step_runs_the_last_steps_loss_code_with
     assert trial.loss == pytest.approx(F.cross_entropy(fixed(x1), y0).item(), rel=1e-5)
     assert "(the last step's loss code and targets on this step's outputs)" in report.to_text()
     without, _batches = _two_batches(False, None)
-    assert without is not None and _trial(without, "eps").fact("loss_not_computed") == (
+    assert without is not None and _trial(without, "eps").fact("loss_not_computed") == Note(
+        "last-loss-code-not-kept").pair
+    assert Note.from_pair(_trial(without, "eps").fact("loss_not_computed")).text == (
         "the forward failed before this step's loss code ran, and the last step's is kept only with keep_last_good")
     assert _two_batches(True, None)[0] is None  # the edit by hand
 

@@ -18,6 +18,8 @@ from unittest import mock
 import pytest
 from IPython.utils.capture import capture_output
 
+from nan_magic.records import Note
+
 SETUP = """
 import torch
 from torch import nn
@@ -174,7 +176,8 @@ def test_a_deferred_first_step_trial_says_why_it_has_no_loss_as_the_immediate_on
     assert (report.phase, report.step) == ("data", 0)
     (eps,) = [fix for fix in report.fixes if fix.kind == "eps"]
     assert eps.finite is True and eps.loss is None
-    assert dict(eps.facts)["loss_not_computed"] == (
+    assert dict(eps.facts)["loss_not_computed"] == Note("no-earlier-backward").pair
+    assert Note.from_pair(dict(eps.facts)["loss_not_computed"]).text == (
         "the forward failed before this step's loss code ran, and no earlier step ran backward() watched")
 
 

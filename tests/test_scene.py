@@ -116,7 +116,7 @@ def test_dump_is_one_file_read_back_bit_for_bit(tmp_path, mode: str) -> None:
     if mode == "full":  # the producer module's own call: its input, and the generators before the step
         assert (scene.call_module, scene.module) == ("1", "1")
         assert same_bits(scene.producer_inputs, {"input[0]": torch.zeros(8, 4)})
-        assert scene.data["rng"]["step_source"] == "before the failing step's top-level forward call"
+        assert scene.data["rng"]["step_source"] == "before-forward"
     else:  # the model call the tiered watch replayed: the batch, and the generators before that call
         assert (scene.call_module, scene.module) == ("", "1")
         assert same_bits(scene.producer_inputs, {"input[0]": BATCHES[2]})
@@ -215,7 +215,7 @@ def test_a_scenes_notes_are_plain_data_and_read_back_as_the_same_sentences(tmp_p
     model, opt = build()
     report = raised(lambda: train(model, opt, bad_step=2), model, opt, dump=str(tmp_path))
     data = torch.load(report.scene, weights_only=True)
-    assert data["version"] == 7
+    assert data["version"] == 8
     saved = data["report"]["note_facts"]
     assert saved == (  # a kind and its facts
         {"kind": "step-replayed", "facts": (("step", report.step),)},
@@ -601,7 +601,7 @@ def test_dump_with_keep_last_good_holds_the_state_the_step_started_from(tmp_path
     )
     scene = nan_magic.load_scene(report.scene)
     assert scene.data["last_good"]["step"] == 1
-    assert scene.data["rng"]["step_source"] == "right after the last step that ended finite"
+    assert scene.data["rng"]["step_source"] == "after-last-good"
     fresh, fresh_opt = build()
     scene.restore_into(fresh, fresh_opt)  # auto: an optimizer event starts from the last good state
     assert same_bits(fresh.state_dict(), kept[1][0]) and same_bits(fresh_opt.state_dict(), kept[1][1])

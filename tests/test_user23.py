@@ -15,8 +15,6 @@ from unittest import mock
 import pytest
 from IPython.utils.capture import capture_output
 
-from nan_magic.fixes.remedies.optimizer_step import FIRST_STEP
-
 SETUP = """
 import torch
 from torch import nn
@@ -156,7 +154,8 @@ def test_the_untried_optimizer_fix_at_the_first_step_says_why_and_sends_nowhere(
     assert (report.phase, report.module, report.cause.label, report.step) == (
         "optimizer", "0", "optimizer-eps-underflow", 0)
     (trial,) = [fix for fix in report.fixes if fix.kind == "eps"]
-    assert trial.finite is None and trial.untried == FIRST_STEP
+    assert trial.finite is None and trial.reason is not None and trial.reason.kind == "first-optimizer-step"
+    assert trial.untried == "it is the first optimizer step: no state before it is kept to redo it from"
     assert "--keep-last-good" not in report.to_text() and "keep_last_good=True" not in report.to_text()  # no advice
 
 

@@ -45,13 +45,18 @@ from nan_magic.localize.outside.recorded_ops import (
 )
 from nan_magic.localize.outside.recorder import OutsideRecorder
 from nan_magic.localize.replay.tiered.root_calls import RootCall
+from nan_magic.note_records import Note
 
 __all__ = ["LossCode", "LossNotComputed", "LossSource", "loss_code", "ran_without_grad", "unjudged",
            "with_code_before"]
 
 
 class LossNotComputed(Exception):
-    """The recorded loss code could not be run on the trial's outputs (the message says why)."""
+    """The recorded loss code could not be run on the trial's outputs (``reason`` says why)."""
+
+    def __init__(self, reason: Note) -> None:
+        super().__init__(reason.kind)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -130,11 +135,11 @@ class LossCode:
         :class:`LossNotComputed`."""
         given = {key: outputs[path] for key, path in self.outputs.items() if path in outputs}
         if len(given) != len(self.outputs):
-            raise LossNotComputed("the replayed model returned other outputs than the loss code read")
+            raise LossNotComputed(Note("other-outputs"))
         for key, other, path in [(key, others[index], path) for key, index, path in self.other_outputs
                                  ] if others is not None else ():
             if path not in other:
-                raise LossNotComputed("the replayed model returned other outputs than the loss code read")
+                raise LossNotComputed(Note("other-outputs"))
             given[key] = other[path]
         try:
             copies, _requiring = copies_from_outside(self.ops, given=given)
@@ -148,18 +153,17 @@ class LossCode:
                     with torch.no_grad() if ran_without_grad(op) else contextlib.nullcontext():
                         rerun_op(op, copies, remedied.run if remedied is not None else None)
         except Gone:
-            raise LossNotComputed("a tensor the loss code read was freed (only small ones are kept past "
-                                  "backward())") from None
+            raise LossNotComputed(Note("loss-input-freed")) from None
         except Exception as error:  # an op of the user's code refusing the remedied outputs (another shape)
-            raise LossNotComputed(f"the loss code raised {type(error).__name__} on the replayed outputs") from error
+            raise LossNotComputed(Note.of("loss-code-raised", error=type(error).__name__)) from error
         loss = copies[self.key]
         if loss.numel() != 1 or not loss.is_floating_point():
-            raise LossNotComputed("backward() started from a tensor that is not a scalar loss")
+            raise LossNotComputed(Note("loss-not-scalar"))
         return loss
 
 
 def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iterable[RootCall] = ()
-              ) -> LossCode | str:
+              ) -> LossCode | Note:
     """The loss code a trial of ``root``'s step runs, or why there is none.
 
     ``before_loss``: the event came before the step's loss code ran (a forward or data event, not deferred);
@@ -168,31 +172,26 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
     """
     recorder = source.recorder
     if recorder is None:
-        return ("ops mode traces the loss code as it runs, and keeps no record of it to run again (a watch "
-                "without the op tracer records it, so that its trials can run it again)")
+        return Note("ops-mode-loss-code")
     if "loss" in recorder.untraced:
-        return "the loss code ran more ops a step than the watch records"
+        return Note("loss-code-untraced")
     last = before_loss and not source.judged_at_check
     if source.key is None:
         if last:
-            return "the forward failed before this step's loss code ran, and no earlier step ran backward() watched"
-        return "the backward did not start at Tensor.backward(), so its loss is not known"
+            return Note("no-earlier-backward")
+        return Note("backward-not-from-tensor")
     # The default mode lets the step's records go as its backward pass ends (kept as the last step's): a backward
     # event's trials, run after that, find them there.
     found = recorder.loss_code(source.key, last) or (recorder.loss_code(source.key, True) if not last else None)
     if found is None:
         if last and not recorder.keep_last:
-            return ("the forward failed before this step's loss code ran, and the last step's is kept only with "
-                    "keep_last_good")
-        if last:
-            return ("the forward failed before this step's loss code ran, and the last step's loss was not made by "
-                    "the code recorded after its model call")
-        return "the tensor backward() started from was not made by the code recorded after the model call"
+            return Note("last-loss-code-not-kept")
+        return Note("last-loss-not-recorded" if last else "loss-not-recorded")
     ops, rng = found
     ops, key = _unscaled(ops, source.key, {id(scale) for scaler in source.scalers
                                            if isinstance(scale := getattr(scaler, "_scale", None), torch.Tensor)})
     outputs = _model_outputs(ops, root, last)
-    if isinstance(outputs, str):
+    if isinstance(outputs, Note):
         return outputs
     others: list[RootCall] = []
     other_outputs: list[tuple[int, int, str]] = []
@@ -212,7 +211,7 @@ def loss_code(source: LossSource, root: RootCall, before_loss: bool, calls: Iter
     return LossCode(ops, key, outputs, rng, last, tuple(others), tuple(other_outputs))
 
 
-def with_code_before(code: LossCode, records: OutsideRecorder) -> LossCode | str:
+def with_code_before(code: LossCode, records: OutsideRecorder) -> LossCode | Note:
     """``code`` run from the loop's code before the model call that made a non-finite value it reads; or why not.
 
     ``weight = 1 / torch.bincount(y)`` before ``model(x)``, read by the loss after it: a class no sample has made an
@@ -227,18 +226,18 @@ def with_code_before(code: LossCode, records: OutsideRecorder) -> LossCode | str
             continue
         found = records.data_code(tensor)
         if found is None:
-            return "the non-finite value the loss code read was not made by the code the watch recorded"
+            return Note("loss-input-not-recorded")
         ops, rng = found
         if rng is not None:  # (its generators' state is the data region's, the loss code's another)
-            return "the code that made the non-finite value the loss code read draws random numbers"
+            return Note("loss-input-random")
         seen = {id(op) for op in before}
         before.extend(op for op in ops if id(op) not in seen)
     if not before:
-        return "the loss code read no non-finite value that the loop's code made before the model call"
+        return Note("loss-input-finite")
     return dataclasses.replace(code, ops=[*before, *code.ops])
 
 
-def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: Iterable[RootCall]) -> str | None:
+def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: Iterable[RootCall]) -> Note | None:
     """Why the loss code cannot run on the trial's outputs where it reads another model's output that came out
     non-finite (None: it reads none).
 
@@ -257,33 +256,27 @@ def _nonfinite_of_another_model(ops: list[RecordedOp], root: RootCall, calls: It
                 continue
             if any((record.ref is value.ref) if isinstance(value, WeakRecord) else (tensor is value)
                    for value in inputs):
-                return (f"the loss code read the non-finite output of another model's call "
-                        f"({type(call.module).__name__}), which the trial does not replay on its outputs")
+                return Note.of("another-model-nonfinite", model=type(call.module).__name__)
     return None
 
 
-def unjudged(code: LossCode | str | None, failed: str | None, loss_from: str | None, deliberate: bool = False
-             ) -> str | None:
+def unjudged(code: LossCode | Note | None, failed: str | None, loss_from: str | None, deliberate: bool = False
+             ) -> Note | None:
     """Why a trial's verdict says nothing of the user's step, where it ran the loss code (``code``) and ``failed``
     there or not at all; None where its verdict stands. ``deliberate``: the remedied outputs kept infinities taken
     as deliberate (a mask's -inf, deliberate.py), which only the user's loss can judge."""
     if deliberate and failed is None and loss_from not in ("loss code", "last loss code", "model"):
         # (A backward from ones goes through a masked_fill as zeros; the user's loss may read the -inf: an entropy
         # bonus ``p * logp`` is 0 * -inf, NaN, at every masked entry.)
-        return ("the remedied outputs keep the model's deliberate infinities (a mask's -inf) and the step's loss "
-                "code did not run on them, the backward started from a stand-in: whether the loss stays finite, "
-                "the trial cannot tell")
+        return Note("deliberate-infinities")
     if not isinstance(code, LossCode):
         return None
     if failed == "loss" and code.differentiates:
-        return ("the loss came out non-finite, but the loss code differentiates (torch.autograd.grad) and its "
-                "recorded backward runs as it ran, the unremedied line's derivative: the trial cannot tell")
+        return Note("loss-code-differentiates")
     function = code.hand_backward
     if function is not None and loss_from in ("loss code", "last loss code") and failed not in ("forward", "loss",
                                                                                                   "raised"):
-        return (f"the loss code calls {function}, a custom autograd.Function: the trial runs again the ops its "
-                f"forward ran, whose derivative is torch's, not {function}.backward's, so its backward is not "
-                "the step's: the trial cannot tell")
+        return Note.of("hand-backward", function=function)
     return None
 
 
@@ -345,7 +338,7 @@ def _outside(ops: list[RecordedOp]) -> dict[int, object]:
     return found
 
 
-def _model_outputs(ops: list[RecordedOp], root: RootCall, last: bool) -> dict[int, str] | str:
+def _model_outputs(ops: list[RecordedOp], root: RootCall, last: bool) -> dict[int, str] | Note:
     """The recorded id of each output of ``root``'s call that the ops read -> its path; or why none is known."""
     inputs = _outside(ops)
     records = root.call.outputs if root.call is not None and not last else []
@@ -358,12 +351,11 @@ def _model_outputs(ops: list[RecordedOp], root: RootCall, last: bool) -> dict[in
     if outputs:
         return outputs
     if not last:
-        return "the loss code read no output of the model call the trial replays"
+        return Note("loss-reads-no-output")
     parameters = {id(parameter) for parameter in root.module.parameters()}
     grads = [key for key, value in inputs.items()
              if getattr(value, "requires_grad", False) and key not in parameters]
     paths = [str(record.path) for record in root.call.outputs] if root.call is not None else []
     if len(grads) != 1 or len(paths) != 1:
-        return (f"the last step's loss code read {len(grads)} tensors that required gradients, and the model call "
-                f"returned {len(paths)}: which output each was is not known")
+        return Note.of("outputs-unknown", grads=len(grads), paths=len(paths))
     return {grads[0]: paths[0]}

@@ -191,15 +191,15 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
     target = replay_target(root.module) or model
     calls = kept.replays.calls if kept.replays is not None else ()
     read = _read_by_the_loss(report, kept.loss, root, calls)
-    if isinstance(read, str) or (report.phase == Phase.DATA and read is None and not holds_nonfinite(root)):
-        raise _NoTrial(Note.of(_no_code_kind(report), reason=read) if isinstance(read, str) else (
+    if isinstance(read, Note) or (report.phase == Phase.DATA and read is None and not holds_nonfinite(root)):
+        raise _NoTrial(Note.of(_no_code_kind(report), reason=read.pair) if isinstance(read, Note) else (
             none_fit(report) or Note("fixes-batch-outside")))  # (as the tiered watch says it)
     before_loss = read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
                                                                   and not _in_loss_code(report)))
     code = read or loss_code(kept.loss, root, before_loss=before_loss, calls=calls)
     if _in_loss_code(report) and not isinstance(code, LossCode):
         # Its remedies go in the loss code, and without it the replayed step never reaches the producer.
-        raise _NoTrial(Note.of("fixes-no-loss-code", reason=code))
+        raise _NoTrial(Note.of("fixes-no-loss-code", reason=code.pair))
     _alone(root.module, target, optimizers, code)
     step = FailingStep(root, model, target, tuple(optimizers), kept.aside, loss_code=code,
                        scalers=tuple(kept.loss.scalers), before_loss_code=before_loss and not kept.loss.judged_at_check)
@@ -232,8 +232,8 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         root = batch_call(replays.calls)
         if root is None and replays.calls:
             loss_read = _read_by_the_loss(report, loss, replays.calls[-1], replays.calls)
-            if isinstance(loss_read, str):
-                raise _NoTrial(Note.of("fixes-no-data-code", reason=loss_read))
+            if isinstance(loss_read, Note):
+                raise _NoTrial(Note.of("fixes-no-data-code", reason=loss_read.pair))
             root = replays.calls[-1] if loss_read is not None else None
     elif _in_loss_code(report) and root is None and replays.calls:
         root = replays.calls[-1]
@@ -260,7 +260,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
 
 
 def _read_by_the_loss(report: Report, loss: LossSource, root: RootCall, calls: Iterable[RootCall]
-                      ) -> LossCode | str | None:
+                      ) -> LossCode | Note | None:
     """The loss code run from the loop's code before the model call (loss.py's ``with_code_before``), where a data
     event's producer made there a value only the loss code read (``1 / counts`` of an empty class); why it cannot
     be run so; or None where the event is no such one (a batch given the model non-finite values)."""
@@ -296,7 +296,7 @@ _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtens
 
 
 def _alone(module: nn.Module | None, target: nn.Module | None, optimizers: Iterable[torch.optim.Optimizer],
-           code: LossCode | str | None) -> None:
+           code: LossCode | Note | None) -> None:
     """Raise :class:`_NeedsRanks` where a trial under a process group of several ranks would run a collective.
 
     A trial runs on this rank alone, while the others wait at the next agreement point: a collective would wait
@@ -382,7 +382,7 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     trials: list[FixTrial] = []
     for kind, run in tries:
         if spent > budget:
-            trials.append(at_producer(kind, report, untried=f"the time budget ({budget:.2g} s) was spent"))
+            trials.append(at_producer(kind, report, reason=Note.of("time-budget", seconds=budget)))
             continue
         trials.append(run())
         spent += trials[-1].seconds
@@ -395,10 +395,10 @@ def _data_code_trial(report: Report, site: Site, step: FailingStep, records: Reg
     at_line = InRecordedCode(site, remedy)
     remade = remedied_batch(step, records, at_line)
     named = (("function", remedy.function),)  # (an untried remedy is described by the function it would change)
-    if isinstance(remade, str):
-        return at_producer("eps", report, facts=named, untried=remade)
+    if isinstance(remade, Note):
+        return at_producer("eps", report, facts=named, reason=remade)
     if not at_line.applied:
-        return at_producer("eps", report, facts=named, untried="it found nothing to change at the producer's line")
+        return at_producer("eps", report, facts=named, reason=Note("nothing-to-change"))
     outcome = replay_step(remade, None, None)
     return at_producer("eps", report, facts=remedy_facts("eps", remedy, report, remade, outcome, None),
                        finite=outcome.failed is None, loss=outcome.loss, seconds=outcome.seconds,
@@ -418,15 +418,15 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         outcome, remedy = wider  # (the operand clamped at its other uses on the line too: remedies/every_use.py)
     facts = remedy_facts(kind, remedy, report, step, outcome, base) + ((("modules", "every"),) if every else ())
     if not outcome.applied or declined(remedy):
-        untried = declined(remedy) or "it found nothing to change at the producer's line"
+        reason = declined(remedy) or Note("nothing-to-change")
         if site.module is None and not isinstance(step.loss_code, LossCode):
-            untried = f"the loss code could not be run again: {step.loss_code or 'none was recorded'}"
-        return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=untried)
+            reason = Note.of("loss-code-not-rerun", reason=(step.loss_code or Note("no-loss-code-recorded")).pair)
+        return at_producer(kind, report, facts=facts, seconds=outcome.seconds, reason=reason)
     if (unjudged_why := unjudged(step.loss_code, outcome.failed, outcome.loss_from,
                                  outcome.deliberate)) is not None:
-        return at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds, untried=unjudged_why)
+        return at_producer(kind, report, facts=facts, loss=outcome.loss, seconds=outcome.seconds, reason=unjudged_why)
     if kind == "float32" and (refused := refused_upcast(outcome.error, report.dtype)) is not None:
-        return at_producer(kind, report, facts=facts, seconds=outcome.seconds, untried=refused)
+        return at_producer(kind, report, facts=facts, seconds=outcome.seconds, reason=refused)
     # (checked where the trial ran: in every module that runs the line, where the producing module's alone failed)
     checked_at = dataclasses.replace(site, module="") if every else site
     other = changes_value(step, checked_at, remedy, outcome, every) if isinstance(remedy, StableFix) else None
@@ -435,7 +435,7 @@ def _remedy_trial(kind: str, remedy: Remedy, report: Report, site: Site, step: F
         # Finite, by computing something else (a probability ratio divided by exp(its max)): no fix, and not
         # counted as one (finite None), with why.
         return at_producer(kind, report, facts=(*facts, ("changes_value", True)), loss=outcome.loss,
-                           output_change=output_change(base, outcome), seconds=seconds, untried=other)
+                           output_change=output_change(base, outcome), seconds=seconds, reason=other)
     finite = None if outcome.frozen and outcome.failed is None else outcome.failed is None  # (frozen: not a fix)
     return at_producer(kind, report, facts=facts, finite=finite, loss=outcome.loss,
                        output_change=output_change(base, outcome), seconds=seconds, failed=outcome.failed,
@@ -447,7 +447,7 @@ def _scale_trial(report: Report, step: FailingStep, old: float) -> FixTrial:
     facts, outcome, seconds = try_scales(step, old)
     if outcome is None:
         return at_producer("scale", report, facts=tuple(facts.items()), seconds=seconds,
-                           untried=f"the scale ({old:g}) is 1 or less: there is no lower one to try")
+                           reason=Note.of("scale-at-most-one", scale=old))
     built = next((source for scaler in step.scalers if (source := scaler_source(scaler)) is not None), None)
     if built is not None:  # the edit goes at the line that built the scaler (patches/scaler.py)
         facts.update(scaler_file=built.filename, scaler_lineno=built.lineno, scaler_line=built.line)
@@ -466,16 +466,16 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
             raise _NoTrial(none)
         return ()
     try:
-        untried, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind, report)
+        reason, finite, facts, seconds = redo_step(optimizer, roots, last_good, kind, report)
     except (TypeError, ValueError, KeyError, RuntimeError) as error:  # an optimizer not rebuilt from its groups
-        untried, finite, facts, seconds = f"the optimizer could not be rebuilt on copies ({error})", None, {}, 0.0
+        reason, finite, facts, seconds = Note.of("optimizer-not-rebuilt", problem=str(error)), None, {}, 0.0
     if kind == "lr" and not math.isfinite(facts.get("lr", 0.0)):
         # A tenth of a NaN or infinite learning rate is one too: the cause's remedy is a finite one.
-        untried, finite, seconds = f"the learning rate is {facts['lr']}: a tenth of it is too", None, 0.0
+        reason, finite, seconds = Note.of("lr-not-finite", lr=float(facts["lr"])), None, 0.0
         facts = {}
     facts_of = (("optimizer", report.optimizer), ("stepped", True), *facts.items())
     return (at_producer(kind, report, facts=facts_of, finite=finite, seconds=seconds,
-                    failed=None if finite is not False else "optimizer step", untried=untried),)
+                    failed=None if finite is not False else "optimizer step", reason=reason),)
 
 
 def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
@@ -484,12 +484,10 @@ def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     if trained_argument(step):
         return ()
     if sparse_nonfinite(step):
-        return (at_producer("skip-batch", report, untried="the non-finite values are in a sparse tensor (a graph's "
-                                                      "adjacency), whose rows are no samples to leave out"),)
+        return (at_producer("skip-batch", report, reason=Note("sparse-batch")),)
     left = without_bad_samples(step)
     if left is None:
-        return (at_producer("skip-batch", report, untried="no sample could be left out: every one, or none along "
-                                                      "the batch's first dimension, holds the non-finite value"),)
+        return (at_producer("skip-batch", report, reason=Note("no-sample-left-out")),)
     smaller, dropped, size = left
     outcome = replay_step(smaller, None, None)
     facts = (*step_facts(smaller, outcome, report), ("dropped", dropped[:16]), ("left_out", len(dropped)),

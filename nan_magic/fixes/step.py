@@ -56,6 +56,7 @@ from nan_magic.localize.replay.module_run import copy_tensors, swapped_buffers
 from nan_magic.localize.replay.tiered.root_calls import RootCall, training_as
 from nan_magic.localize.replay.tiered.step_backward import reentrant_checkpoints_inline
 from nan_magic.localize.replay.untouched import ModelGuard, untouched
+from nan_magic.note_records import Note
 from nan_magic.patches.functional_calls import own_tensors
 
 __all__ = ["FailingStep", "StepOutcome", "held_gradients", "replay_at_line", "replay_step"]
@@ -77,7 +78,7 @@ class FailingStep:
     #: The parameters the replay starts from by name (fixes/remedies/diverged.py), instead of the module's own.
     parameters: dict[str, torch.Tensor] | None = None
     #: The recorded loss code (loss.py), or why there is none.
-    loss_code: LossCode | str | None = None
+    loss_code: LossCode | Note | None = None
     #: The event stopped the step before its loss code ran (a forward or data event judged as it happened): what a
     #: trial without a loss says first, the rest of why being in ``loss_code``.
     before_loss_code: bool = False
@@ -105,9 +106,9 @@ class StepOutcome:
     stepped: bool = False
     #: Where the loss came from (``"model"``, ``"loss code"``, ``"last loss code"``), or why none was computed.
     loss_from: str | None = None
-    no_loss: str | None = None
+    no_loss: Note | None = None
     #: Why the loss code did not run where the model's own scalar output stood for the loss (``loss_from="model"``).
-    stand_in: str | None = None
+    stand_in: Note | None = None
     #: Whether outputs were let through for deliberate infinities (deliberate.py): a loss must judge them.
     deliberate: bool = False
     #: The sum of each trained parameter's gradient's magnitudes (None: it got none), where the backward ran.
@@ -439,7 +440,7 @@ def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: F
             loss = step.loss_code.run(dict(tensors), step.rows, in_loss, others)
             outcome.loss_from = "last loss code" if step.loss_code.last else "loss code"
         except LossNotComputed as error:
-            outcome.no_loss = str(error)
+            outcome.no_loss = error.reason
     else:
         outcome.no_loss = step.loss_code
     if loss is None and len(losses) == 1:

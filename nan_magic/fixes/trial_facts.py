@@ -48,9 +48,9 @@ def step_facts(step: FailingStep, outcome: StepOutcome, report: Report | None = 
     if outcome.loss_from is not None:
         facts += (("loss_from", outcome.loss_from),)
         if outcome.stand_in is not None and outcome.failed in AFTER_THE_LOSS:
-            facts += (("loss_code_not_run", outcome.stand_in),)
+            facts += (("loss_code_not_run", outcome.stand_in.pair),)
     elif outcome.no_loss is not None and outcome.failed != "forward":
-        facts += (("loss_not_computed", outcome.no_loss),)
+        facts += (("loss_not_computed", outcome.no_loss.pair),)
         if step.before_loss_code:
             facts += (("before_loss_code", True),)
     return facts

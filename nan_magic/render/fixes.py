@@ -11,6 +11,7 @@ from nan_magic.records import FixTrial, Report
 from nan_magic.render.edits import suggested_edit
 from nan_magic.render.words.causes.phrases import fmt
 from nan_magic.render.words.counted import counted, ordinal
+from nan_magic.render.words.fix_reasons import reason_words
 from nan_magic.render.words.fix_verdicts import diverged_words, frozen_words, milliseconds, off_scale_words
 
 __all__ = ["fix_description", "fix_lines", "fixes_text", "fixes_title"]
@@ -132,14 +133,15 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         if trial.failed in AFTER_THE_LOSS and trial.fact("backward_from") == "ones":
             # A gradient of ones stands for a loss the trial could not compute: far larger than a mean loss's
             # (a float16 backward overflows on it), so a failure past the forward may be the stand-in's alone.
+            why = reason_words(trial.fact("loss_not_computed")) or "none"
             return (f"still non-finite ({trial.failed}), but its backward started from ones into the model's outputs,"
-                    f" standing for the loss (loss not computed: {trial.fact('loss_not_computed') or 'none'}): the "
+                    f" standing for the loss (loss not computed: {why}): the "
                     "trial cannot tell whether the step with its own loss would be finite")
         if trial.failed in AFTER_THE_LOSS and trial.fact("loss_code_not_run"):
             return (f"still non-finite ({trial.failed}), but its backward started from the model's own scalar "
                     f"output, taken as the loss where the step's loss code did not run "
-                    f"({trial.fact('loss_code_not_run')}): the trial cannot tell whether the step with its own loss "
-                    "would be finite")
+                    f"({reason_words(trial.fact('loss_code_not_run'))}): the trial cannot tell whether the step with "
+                    "its own loss would be finite")
         if trial.failed == "next forward":
             return ("still non-finite a step later: the step came out finite, but the update it gave made the same "
                     "call's forward non-finite (the remedied line's gradient is too large to train on)")
@@ -158,7 +160,7 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
         parts.append(f"no loss: the failing step stopped before its loss code ran{start}")
     elif trial.fact("loss_not_computed"):
         start = _STARTS.get(trial.fact("backward_from"), "")
-        parts.append(f"loss not computed: {trial.fact('loss_not_computed')}{start}")
+        parts.append(f"loss not computed: {reason_words(trial.fact('loss_not_computed'))}{start}")
     if trial.output_change == 0:
         # "changed by at most 0" read as a hedge; a remedy in the loss code, or one that only replaces the NaN,
         # leaves every finite value of the model's output as it was.

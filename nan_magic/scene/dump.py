@@ -84,12 +84,12 @@ class SceneSource:
 
 SCENE_FORMAT = "nan_magic.scene"
 #: Raised as what a scene holds changes; load_scene reads each older version's parts where it meets them.
-SCENE_VERSION = 7
+SCENE_VERSION = 8
 
 #: What a scene file holds (a dict with these keys; a part that could not be
 #: saved is None and the report says why):
 #:
-#: - ``format``, ``version``: ``"nan_magic.scene"``, 7
+#: - ``format``, ``version``: ``"nan_magic.scene"``, 8
 #: - ``report``: the :class:`~nan_magic.Report` of the event, as plain data (:func:`nan_magic.plain.to_plain`)
 #: - ``step``, ``phase``, ``module``, ``kinds``: the event in brief, and the kinds watched
 #: - ``models``: ``{name: state_dict}`` of every watched model, as at the event
@@ -106,7 +106,9 @@ SCENE_VERSION = 7
 #:   Python arguments among them (an int, a string) and ``"positional"``, how many it took, where the call was kept
 #: - ``call_module``: the qualified name of the module whose call ``producer_inputs`` are (the
 #:   producer, or the top-level model call that held it); absent in older scenes: ``module``
-#: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source": str, "event": {"cpu", "cuda"}}``
+#: - ``rng``: ``{"step": {"cpu", "cuda"} or None, "step_source", "event": {"cpu", "cuda"}}``; ``step_source``:
+#:   ``"before-forward"`` (taken before the failing step's top-level forward call), ``"after-last-good"`` (right
+#:   after the last step that ended finite) or ``"unknown"``
 #: - ``versions``: ``{"torch", "python", "nan_magic", "cuda", "platform"}``
 SCENE_KEYS = (
     "format", "version", "report", "step", "phase", "module", "kinds", "models", "training",
@@ -412,9 +414,9 @@ def _rng(watched: SceneSource, finding: Finding) -> dict[str, Any]:
     running = watched.running_rng
     if running is not None:
         # The watch takes it before each module call it may replay.
-        step, source = running, "before the failing step's top-level forward call"
+        step, source = running, "before-forward"
     elif watched.last_good.rng is not None:
-        step, source = watched.last_good.rng, "right after the last step that ended finite"
+        step, source = watched.last_good.rng, "after-last-good"
     return {
         "step": _rng_dict(step),
         "step_source": source,
@@ -466,4 +468,4 @@ def refusal(error: pickle.UnpicklingError) -> str:
 
 def _refused(error: pickle.UnpicklingError) -> Note:
     found = REFUSED_GLOBAL.search(str(error))  # torch's message names the class it refused
-    return Note.of("refused", what=found[1] if found else "a pickle instruction torch does not load safely")
+    return Note.of("refused", what=found[1] if found else None)

@@ -47,8 +47,6 @@ __all__ = ["KEPT_REPORTS", "LastGood", "keep", "restore"]
 #: Reports of this process whose kept state ``restore()`` can still put back.
 KEPT_REPORTS = 2
 
-_NO_STATE = "this report has no kept state: watch with keep_last_good='cpu' or 'device'"
-
 
 @dataclass
 class _Kept:
@@ -203,7 +201,7 @@ def restore(report: Report) -> None:
             "last finite step's (saved where the watch had keep_last_good), state='event' the state at the event"
         )
     if report.restore_token is None:
-        raise RuntimeError(_NO_STATE)
+        raise RuntimeError("this report has no kept state: watch with keep_last_good='cpu' or 'device'")
     kept = _REGISTRY.get(report.restore_token)
     if kept is None:
         raise RuntimeError(

@@ -20,9 +20,10 @@ from torch import nn
 
 from nan_magic.hot.kept.rng import RngState, capture_rng_state, restore_rng_state
 from nan_magic.localize.replay.module_run import ReplayResult, replay_module
-from nan_magic.plain import from_plain, to_pairs
-from nan_magic.records import Note, Phase, Report, TensorRef
+from nan_magic.plain import from_plain
+from nan_magic.records import Note, Phase, Report
 from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
+from nan_magic.scene.older_scenes import as_version_7, reasons_said, typed_tensors, warnings_said, with_paths
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.lifecycle.watch import Watch
@@ -113,22 +114,24 @@ class Scene:
         self.data = data
         plain = data["report"]
         if data.get("version", 0) < 6 and isinstance(plain, dict):
-            plain = _typed_tensors(plain)
+            plain = typed_tensors(plain)
         if data.get("version", 0) < 7 and isinstance(plain, dict):
-            plain = _as_version_7(plain)
+            plain = as_version_7(plain)
+        if data.get("version", 0) < 8 and isinstance(plain, dict):
+            plain = reasons_said(plain)
         report = from_plain(Report, plain)
         if isinstance(plain, dict) and plain.get("notes") and not plain.get("note_facts"):
             # A version 2 scene kept its notes as sentences: shown as they were written.
             said = tuple(Note.of("said", text=text) for text in plain["notes"])
             report = dataclasses.replace(report, note_facts=said)
-        sentences = _warnings_said(plain)
+        sentences = warnings_said(plain)
         if sentences:
             # A scene of version 3 or older kept its warnings as sentences: shown as they were written.
             report = dataclasses.replace(report, warnings=tuple(
                 dataclasses.replace(warning, said=text) for warning, text in zip(report.warnings, sentences)))
         if data.get("version", 0) < 5:
             # A scene of version 4 or older kept no layer's place in its model: read from its module's name.
-            report = _with_paths(report)
+            report = with_paths(report)
         # Where %debug (pdb.pm()) opens was said of the session that saved it: a reopened scene has no traceback.
         kept = tuple(note for note in report.note_facts if note.kind not in _DEBUGGER_NOTES)
         self.report: Report = dataclasses.replace(
@@ -421,77 +424,3 @@ def _moved(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {key: _moved(item, device) for key, item in value.items()}
     return value  # a plain Python argument (model(x, step)'s step)
-
-
-def _warnings_said(plain: Any) -> list[str | None]:
-    """The sentences an older scene's early warnings were stored as (none where they carry facts)."""
-    warnings = plain.get("warnings") if isinstance(plain, dict) else None
-    said = [dict(item.items() if isinstance(item, dict) else item).get("message") for item in warnings or ()]
-    return said if any(text is not None for text in said) else []
-
-
-def _typed_tensors(plain: dict[str, Any]) -> dict[str, Any]:
-    """An older scene's report, whose layer rows and extreme-batch cause named their tensor by its words.
-
-    A row's words are kept as written (``said``): they alone do not say the
-    tensor's role. The batch of an extreme-batch cause was always an argument
-    of the model call (``input[0]``, ``kwargs['x']``), whose reference holds
-    that same path.
-    """
-    layers = tuple({**row, "tensor": None, "said": row["tensor"]} if isinstance(row.get("tensor"), str) else row
-                   for row in plain.get("layers") or ())
-    cause = plain.get("cause")
-    if isinstance(cause, dict) and cause.get("reading") == "extreme-batch":
-        cause = {**cause, "facts": tuple(
-            (key, to_pairs(TensorRef.argument(value))) if key == "batch" and isinstance(value, str) else (key, value)
-            for key, value in cause.get("facts") or ())}
-    return {**plain, "layers": layers, "cause": cause}
-
-
-#: The tensor facts an older scene stored by name, and the reference each name stands for: the batch
-#: warnings' argument of the model call (``input[0]``), the optimizer notes' parameter.
-_NAMED_TENSORS = {"extreme-input": TensorRef.argument, "constant-feature": TensorRef.argument,
-                  "written-outside-optimizer": TensorRef.parameter, "optimizer-made-it": TensorRef.parameter}
-
-
-def _as_version_7(plain: dict[str, Any]) -> dict[str, Any]:
-    """An older scene's report, whose early warnings and optimizer notes named their tensor by a string.
-
-    A version 6 scene or older stored the batch warnings' tensor as its
-    argument's path and the optimizer notes' as its parameter's name: each is
-    that reference's own field, so the reference is rebuilt, not parsed. Its
-    histograms' samples carry the labels the engine gave them: kept, as their
-    titles.
-    """
-    def typed(record: Any) -> Any:
-        made = _NAMED_TENSORS.get(str(record.get("kind"))) if isinstance(record, dict) else None
-        if made is None:
-            return record
-        return {**record, "facts": tuple(
-            (key, to_pairs(made(value))) if key == "tensor" and isinstance(value, str) else (key, value)
-            for key, value in record.get("facts") or ())}
-
-    samples = tuple({**sample, "title": sample.get("label")} if isinstance(sample, dict) else sample
-                    for sample in plain.get("samples") or ())
-    return {**plain, "warnings": tuple(typed(record) for record in plain.get("warnings") or ()),
-            "note_facts": tuple(typed(record) for record in plain.get("note_facts") or ()), "samples": samples}
-
-
-def _with_paths(report: Report) -> Report:
-    """An older scene's report, each layer (table row, per-module step's magnitude) with its module's path.
-
-    The scene loader's compat path, and the one place the package reads a
-    name it stored by its dots: a version 5 scene stores each layer's path
-    (the names from the root down, as torch's ``named_modules`` walk gave them).
-    """
-    history = tuple(dataclasses.replace(entry, layers=tuple((name, value, dtype, _path(name) or ())
-                                                            for name, value, dtype, *_ in entry.layers))
-                    for entry in report.history)
-    layers = tuple(dataclasses.replace(row, path=_path(row.module)) for row in report.layers)
-    return dataclasses.replace(report, layers=layers, history=history)
-
-
-def _path(module: str | None) -> tuple[str, ...] | None:
-    if module is None:
-        return None  # outside every module
-    return tuple(module.split(".")) if module else ()  # "" is the root

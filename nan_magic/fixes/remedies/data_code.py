@@ -24,11 +24,12 @@ from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.outside.recorded_ops import Gone, RecordedOp, copies_from_outside, record_key, rerun_op
 from nan_magic.localize.outside.region_records import RegionRecords
 from nan_magic.localize.replay.module_run import map_tensors
+from nan_magic.note_records import Note
 
 __all__ = ["remedied_batch"]
 
 
-def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InRecordedCode) -> FailingStep | str:
+def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InRecordedCode) -> FailingStep | Note:
     """``step`` with each non-finite tensor of its batch made again by the data code under ``remedy``; or why not."""
     root = step.root
     bad = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs))
@@ -37,17 +38,17 @@ def remedied_batch(step: FailingStep, records: RegionRecords, remedy: InRecorded
     for tensor in bad:
         found = records.data_code(tensor)
         if found is None:
-            return "the non-finite batch was not made by the data code the watch recorded"
+            return Note("batch-not-recorded")
         ops, rng = found
         if _written_in_place(ops, tensor):
-            return "the data code wrote the batch in place, and its value before that write is not kept"
+            return Note("batch-written-in-place")
         try:
             copies, _requiring = copies_from_outside(ops)
             with torch.no_grad(), generators_at(rng):
                 for op in ops:
                     rerun_op(op, copies, remedy.run)
         except Gone:
-            return "a tensor the data code read was freed since"
+            return Note("data-input-freed")
         remade[id(tensor)] = copies[id(tensor)]
 
     def swap(tensor: torch.Tensor) -> Any:

@@ -28,7 +28,7 @@ from torch import nn
 from nan_magic.fixes.remedies.optimizer_step import NO_LAST_GOOD
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_step
 from nan_magic.fixes.trial_facts import at_producer, output_change, step_facts
-from nan_magic.records import FixTrial, Report
+from nan_magic.records import FixTrial, Note, Report
 from nan_magic.scene.last_good import LastGood
 from nan_magic.step_records import StepSummary
 
@@ -43,7 +43,7 @@ LINEAR = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop
 
 
 def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], last_good: LastGood
-                   ) -> tuple[FailingStep | None, str | None, dict[str, object]]:
+                   ) -> tuple[FailingStep | None, Note | None, dict[str, object]]:
     """``(step from the lowered update, why not, facts)``: ``step`` (step ``failing``) from ``p0 + (p1 - p0) / 10``.
 
     ``p1`` is what the failing step read (the parameters now); ``p0`` the state kept after step
@@ -54,21 +54,20 @@ def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], 
         return None, NO_LAST_GOOD, {}
     stepping = [opt for opt in step.optimizers if _steps(opt, step.target)]
     if not stepping:
-        return None, "no optimizer of the model was seen stepping: there is no update to redo", {}
+        return None, Note("no-optimizer-stepping"), {}
     other = next((type(opt).__name__ for opt in stepping if not _linear(opt)), None)
     if other is not None:
-        return None, f"a {other} update is not its learning rate times a step that does not depend on it", {}
+        return None, Note.of("update-not-linear", optimizer=other), {}
     kept = last_good.state_of if last_good.step == failing - 2 else last_good.before
     if failing - 2 not in (last_good.step, last_good.before_step):
-        return None, (f"no state was kept after step {failing - 2}, before the previous update (fewer than two "
-                      f"optimizer steps ended finite): there is no update to redo"), {}
+        return None, Note.of("no-state-before-update", step=failing - 2), {}
     owners = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters: dict[str, torch.Tensor] = {}
     for name, parameter in step.target.named_parameters():
         root, root_name = owners.get(id(parameter), (None, None))
         before = kept(root) if root is not None else None
         if before is None or root_name not in before:
-            return None, f"the state kept after step {failing - 2} does not hold {name}", {}
+            return None, Note.of("kept-state-lacks", step=failing - 2, parameter=name), {}
         with torch.no_grad():
             p0, p1 = before[root_name].to(parameter.device, parameter.dtype), parameter.detach()
             parameters[name] = p0 + (p1 - p0) / 10
@@ -78,9 +77,7 @@ def lowered_update(step: FailingStep, failing: int, roots: Iterable[nn.Module], 
     if decay / 10 > 2:
         # The step after this one diverges again (by hand, at a tenth, weight_decay=5e4 overflowed two steps later):
         # the lowered update is no fix, however finite this step comes out.
-        return None, (f"at a tenth of the learning rate, lr * weight_decay is still {decay / 10:g}: the decay alone "
-                      f"multiplies each parameter by {1 - decay / 10:g} a step, and the run diverges again (the "
-                      f"weight decay is the setting to lower)"), {}
+        return None, Note.of("weight-decay-too-high", decay=decay / 10), {}
     facts = {"optimizer": type(stepping[0]).__name__, "from_step": failing - 2, "lr": lr, "new_lr": lr / 10}
     return dataclasses.replace(step, parameters=parameters), None, facts
 
@@ -142,9 +139,9 @@ def _linear(optimizer: torch.optim.Optimizer) -> bool:
 def lr_trial(report: Report, step: FailingStep, roots: Iterable[nn.Module], last_good: LastGood,
               base: StepOutcome) -> FixTrial:
     """``lr`` after a divergence (remedies/diverged.py): the previous update at a tenth, then the failing step."""
-    lowered, untried, facts = lowered_update(step, report.step, roots, last_good)
+    lowered, reason, facts = lowered_update(step, report.step, roots, last_good)
     if lowered is None:
-        return at_producer("lr", report, facts=(("redone", "previous"),), untried=untried)
+        return at_producer("lr", report, facts=(("redone", "previous"),), reason=reason)
     outcome = replay_step(lowered, None, None)
     # (from a state that had already diverged, or to a loss the run's scale over its lowest, a finite step is no fix:
     # not counted as one, and said why)

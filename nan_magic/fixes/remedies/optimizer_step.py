@@ -32,21 +32,20 @@ from torch import nn
 
 from nan_magic.fixes.scale_check import OFF_SCALE
 from nan_magic.fixes.stepping import step_alone
-from nan_magic.records import Report
+from nan_magic.records import Note, Report
 from nan_magic.scene.last_good import LastGood
 
 __all__ = ["FIRST_STEP", "NO_LAST_GOOD", "redo_step"]
 
 #: (A notebook's user runs the magics, a script's the API: every way to keep it is said; a user of ``%nanwatch on``
 #: was told only of %%nantrace's option.)
-NO_LAST_GOOD = ("no last good state was kept (%%nantrace --keep-last-good, %nanwatch on --keep-last-good or "
-                "watch(..., keep_last_good=True) keeps the state the step is redone from)")
+NO_LAST_GOOD = Note("no-last-good-state")
 #: At the first step that advice is a dead end: a last good state is kept from the first step that ends finite.
-FIRST_STEP = "it is the first optimizer step: no state before it is kept to redo it from"
+FIRST_STEP = Note("first-optimizer-step")
 
 
 def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last_good: LastGood,
-              remedy: str, report: Report) -> tuple[str | None, bool | None, dict[str, Any], float]:
+              remedy: str, report: Report) -> tuple[Note | None, bool | None, dict[str, Any], float]:
     """``(why not tried, finite, facts, seconds)`` of ``report``'s failing step redone with ``remedy`` (``"lr"`` or
     ``"eps"``)."""
     start = time.perf_counter()
@@ -56,9 +55,7 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
     kept_optimizer = last_good.state_of(optimizer)
     later = next((note for note in report.note_facts if note.kind == "debug-later-step"), None)
     if later is not None and not _finite_gradients(optimizer):
-        return (f"the gradients of step {later.fact('step')} are gone: the step was judged at step "
-                f"{later.fact('judged')}, whose backward wrote non-finite ones over them (made from the "
-                "non-finite parameters; a watch with defer=False judges each step at once and keeps them)",
+        return (Note.of("gradients-overwritten", step=later.fact("step"), judged=later.fact("judged")),
                 None, _settings(optimizer, remedy), 0.0)
     names = {id(parameter): (root, name) for root in roots for name, parameter in root.named_parameters()}
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
@@ -71,13 +68,10 @@ def redo_step(optimizer: torch.optim.Optimizer, roots: Iterable[nn.Module], last
             break
         kept[id(parameter)] = state[name]
     if last_good.step is None or kept_optimizer is None:
-        return (FIRST_STEP if first else "no optimizer step ended finite before this one: there is no state to redo "
-                "it from", None,
-                _settings(optimizer, remedy), 0.0)
+        return FIRST_STEP if first else Note("no-finite-step-before"), None, _settings(optimizer, remedy), 0.0
     as_ran, _sizes = _redo(optimizer, parameters, kept, kept_optimizer, None)
     if as_ran:
-        return ("the step redone from the last good state as it ran came out finite: the redo does not reproduce it",
-                None, {}, time.perf_counter() - start)
+        return Note("redo-not-reproduced"), None, {}, time.perf_counter() - start
     finite, (update, size) = _redo(optimizer, parameters, kept, kept_optimizer, remedy)
     facts = {"from_step": last_good.step, **_settings(optimizer, remedy)}
     if finite and update > OFF_SCALE * max(size, 1.0):

@@ -23,6 +23,7 @@ import torch
 
 from nan_magic.fixes.site import function_name
 from nan_magic.localize.replay.module_run import map_tensors
+from nan_magic.note_records import Note
 
 __all__ = ["HALF", "Float32", "float32", "refused_upcast"]
 
@@ -85,11 +86,9 @@ _MIXED = re.compile(r"expected scalar type|same dtype|dtype .* and .* dtype|type
                     r"should be the same|found (Half|BFloat16)", re.IGNORECASE)
 
 
-def refused_upcast(error: tuple[str, str] | None, dtype: str | None) -> str | None:
+def refused_upcast(error: tuple[str, str] | None, dtype: str | None) -> Note | None:
     """Why the float32 trial could not run: the code after the line refused its float32 result (``error``, what
     the replay raised); None for any other outcome."""
     if error is None or error[0] != "RuntimeError" or not _MIXED.search(error[1]):
         return None
-    return (f"the code after the producer's line refused its float32 result ({error[0]}: {error[1]}): it meets "
-            f"tensors still in {dtype or 'half precision'} there, so the line cannot be computed in float32 alone; "
-            "that code would need float32 too (or autocast over the region)")
+    return Note.of("float32-refused", error=error[0], message=error[1], dtype=dtype)

@@ -49,6 +49,7 @@ import torch
 
 from nan_magic.fixes.site import Site, function_name
 from nan_magic.fixes.step import FailingStep, StepOutcome, replay_at_line, replay_step
+from nan_magic.note_records import Note
 
 __all__ = ["StableFix", "changes_value", "declined", "stable_replay"]
 
@@ -56,9 +57,6 @@ __all__ = ["StableFix", "changes_value", "declined", "stable_replay"]
 _ADDS = frozenset({"add", "__add__", "__radd__"})
 #: ... and that multiply them.
 _MULS = frozenset({"mul", "__mul__", "__rmul__"})
-#: What each fused form is the log of, as the reason a trial was not run says it.
-_LOGGED = {"log_softmax": "softmax", "logsigmoid": "sigmoid", "logsigmoid(-x)": "1 - sigmoid(x)",
-           "log_ndtr": "normal CDF", "softplus": "1 + exp(x)", "logdet": "determinant"}
 #: The torch functions that take a tensor from a number: ``1 - p`` (``Tensor.__rsub__(p, 1)``, ``torch.rsub(p, 1)``).
 _RSUBS = frozenset({"__rsub__", "rsub"})
 #: The determinants whose log is ``torch.logdet`` of their matrix (``torch.det``, ``S.det()``, ``torch.linalg.det``).
@@ -323,18 +321,11 @@ def _same_probability(fused: torch.Tensor, line: torch.Tensor) -> bool:
         return bool(torch.isclose(mine[finite], line[finite], rtol=tolerance, atol=tolerance).all())
 
 
-def declined(remedy: object) -> str | None:
-    """Why a fused form met at the line was not tried (:attr:`StableFix.declined`), or None."""
+def declined(remedy: object) -> Note | None:
+    """Why a fused form met at the line was not tried (:attr:`StableFix.declined`: ``why``), or None."""
     if not isinstance(remedy, StableFix) or remedy.declined is None:
         return None
-    why, form = remedy.declined, remedy.form or "the fused form"
-    logged = _LOGGED.get(form, "value")
-    if why == "written":
-        return (f"the {logged} the line takes the log of (or its input) was written in place after it was "
-                f"computed, so {form} of its input is no longer the line's value: fusing it would change what the "
-                "line computes")
-    return (f"{form} of the {logged}'s input is not the line's own value where that is finite: fusing it would "
-            "change what the line computes")
+    return Note.of("fused-declined", why=remedy.declined, form=remedy.form)
 
 
 def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutcome, Any, bool]:
@@ -351,7 +342,7 @@ def stable_replay(step: FailingStep, site: Site, remedy: Any) -> tuple[StepOutco
 
 
 def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOutcome, every: bool = False
-                  ) -> str | None:
+                  ) -> Note | None:
     """Why ``fix``'s finite max-subtracted exp (``outcome``) computes another value than the user's line, or None.
 
     The step is replayed with the exp multiplied by 8 or 16 row by row (its max moved, with no rounding of its own):
@@ -365,38 +356,29 @@ def changes_value(step: FailingStep, site: Site, fix: StableFix, outcome: StepOu
     moved = replay_step(step, site, StableFix(fix.function, offsets=True))
     fix.checked = moved.seconds
     if moved.failed is not None:
-        return ("it changes what the line computes: with the exp multiplied by 8 or 16 the step was non-finite "
-                "(the max does not cancel out of what the line's exp computes, as it does out of a softmax)")
-    pairs = [(_named(path), outcome.outputs[path], after) for path, after in moved.outputs.items()
-             if path in outcome.outputs]
+        return Note("exp-scaled-nonfinite")
+    # (what moved: ``(its kind, its name)``, the output's path or the buffer's name)
+    pairs: list[tuple[tuple[str, str | None], torch.Tensor, torch.Tensor]] = [
+        (("output", path), outcome.outputs[path], after) for path, after in moved.outputs.items()
+        if path in outcome.outputs]
     if outcome.loss is not None and moved.loss is not None:
-        pairs.append(("loss", torch.tensor(outcome.loss, dtype=torch.float64),
+        pairs.append((("loss", None), torch.tensor(outcome.loss, dtype=torch.float64),
                       torch.tensor(moved.loss, dtype=torch.float64)))
     if len(outcome.gradients) == len(moved.gradients):  # (a float16 loss may round a changed term away: a PPO ratio's)
         known = [(before, after) for before, after in zip(outcome.gradients, moved.gradients)
                  if before is not None and after is not None]
-        pairs.append(("gradients", torch.tensor([before for before, _ in known], dtype=torch.float64),
+        pairs.append((("gradients", None), torch.tensor([before for before, _ in known], dtype=torch.float64),
                       torch.tensor([after for _, after in known], dtype=torch.float64)))
     # (a buffer the forward wrote, a running statistic of the exp another module sharing the line keeps)
-    pairs += [(f"buffer {name}", outcome.buffers[name], after) for name, after in moved.buffers.items()
+    pairs += [(("buffer", name), outcome.buffers[name], after) for name, after in moved.buffers.items()
               if name in outcome.buffers]
-    for name, before, after in pairs:
+    for (what, name), before, after in pairs:
         if before.shape != after.shape:
             continue
         tolerance = max(1e-4, 4 * torch.finfo(before.dtype).eps) if before.is_floating_point() else 0.0
-        if name == "gradients":  # (summed in float64 from float16 ones: a float16 backward's own rounding)
+        if what == "gradients":  # (summed in float64 from float16 ones: a float16 backward's own rounding)
             tolerance = max(tolerance, 4 * outcome.gradient_eps)
         if not torch.allclose(after.double(), before.double(), rtol=tolerance, atol=1e-6, equal_nan=True):
             change = float((after.double() - before.double()).abs().max())
-            where = ("in at least one of the modules that run the line (an edit of it changes each one's use; the "
-                     "max cancels only out of an exp normalised by its own sum, as a softmax's is)" if every else
-                     "(the exp is not normalised by its own sum, as a softmax's is)")
-            return (f"it changes what the line computes: exp(x - max) is exp(x) / exp(max), and the max does not "
-                    f"cancel here {where}: with the exp multiplied by 8 or 16 the {name} moved by {change:.3g}; a "
-                    f"log of the exp's sum needs the max added back (torch.logsumexp), a ratio or a scale has no max "
-                    f"to take out: clamp the exponent")
+            return Note.of("max-does-not-cancel", moved=what, name=name, change=change, every=every)
     return None
-
-
-def _named(path: str) -> str:
-    return "model's output" if path == "output" else f"model's output {path}"

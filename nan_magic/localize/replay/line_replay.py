@@ -41,14 +41,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["NOT_KEPT", "NOT_REACHED", "ForwardLines", "LineStop", "line_stop_at", "line_stop_for", "nodes_made"]
 
-#: The reason a note gives where the replay to the line did not stop there.
-NOT_REACHED = "a replay of the call did not make that line's autograd node again"
+#: The reason a note gives where the replay to the line did not stop there (a note's pair: render/ words it).
+NOT_REACHED = Note("line-node-not-remade").pair
 #: ... where no model call of the step that was kept made the node (ops mode).
-NO_CALL = "no model call of the step that made that line's autograd node was kept to replay"
+NO_CALL = Note("line-call-not-kept").pair
 #: ... where the call that made the node ran inside a torch.func transform (its arguments gone with the transform).
-IN_TRANSFORM = "the call that made that line's autograd node ran inside a torch.func transform (vmap, jacrev)"
+IN_TRANSFORM = Note("line-call-transformed").pair
 #: ... where an ops-mode watch keeps no model call at all (they are kept for the fix trials).
-NOT_KEPT = "ops=True keeps the step's model calls for the fix trials only, and fixes=False (or replay=False) keeps none"
+NOT_KEPT = Note("ops-keeps-no-call").pair
 
 
 def nodes_made() -> int:

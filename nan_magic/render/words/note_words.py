@@ -17,6 +17,7 @@ from nan_magic.locations import SourcePointer
 from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
 from nan_magic.render.words.counted import counted, human_size
+from nan_magic.render.words.fix_reasons import FIX_REASON_TEMPLATES, FIX_REASON_WRITERS
 from nan_magic.render.words.lr_words import LR_NOTE_TEMPLATES, LR_NOTE_WRITERS
 from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.render.words.optimizer_replay_words import debug_later_step, optimizer_replay_finite, optimizer_replayed
@@ -37,6 +38,7 @@ _TEMPLATES: dict[str, str] = {
     "log-edge": "{function}'s output is infinite in {count:~element} where its y is {edge:g}, its log's edge",
     "spread-divisor": "the divisor is the output of a {spread} (its autograd node or recorded op), not a count",
     **LR_NOTE_TEMPLATES,  # where a step's non-finite learning rate came from
+    **FIX_REASON_TEMPLATES,  # why a fix trial was not run or not counted (FixTrial.reason)
     # hot/: the boundary checks
     "outside-made-it": "every watched module output of this step was finite: code outside the modules (the loss) "
                        "produced it",
@@ -98,6 +100,13 @@ _TEMPLATES: dict[str, str] = {
     "frame-let-go": "{debugger} opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
     "debug-not-replayed": "{debugger} opens where the step was judged, not at the forward line: {reason}",
+    # ... its reason (localize/replay/line_replay.py)
+    "line-node-not-remade": "a replay of the call did not make that line's autograd node again",
+    "line-call-not-kept": "no model call of the step that made that line's autograd node was kept to replay",
+    "line-call-transformed": "the call that made that line's autograd node ran inside a torch.func transform (vmap, "
+                             "jacrev)",
+    "ops-keeps-no-call": "ops=True keeps the step's model calls for the fix trials only, and fixes=False (or "
+                         "replay=False) keeps none",
     "debug-frame-returned": "{debugger} opens where the step was judged, not in {function} at line {line}: that "
                             "function had returned before the deferred check, and no replay runs it again",
     "loop-wrote-after-step": "the loop's own code wrote {name} after the optimizer step, before the next model call",
@@ -147,53 +156,11 @@ _TEMPLATES: dict[str, str] = {
     "scene-failed": "could not record the scene: {error}",
     "scene-part-failed": "the scene leaves out {part}: {error}",
     "scene-part-refused": "the scene leaves out {part}: {reason}",
-    "refused": "loading it needs {what}, which is neither a tensor nor a plain value and could run code "
-               "(torch.load weights_only=True refuses it)",
     "scene-save-failed": "could not save the scene in {folder}: {error}",
     "batch-lacks": "the scene's batch lacks {paths}: freed or changed in place before the event",
     "input-freed": "the scene lacks the producer's {path}: it was freed before the event",
     "input-changed": "the scene lacks the producer's {path}: the producer changed it in place",
-    "fixes-per-call": "no fix was tried: with replay=False a watch that checks every module call keeps no model "
-                      "call of the step to try one on",
-    "fixes-traced": "no fix was tried: with replay=False a watch that traces every op keeps no model call of the "
-                    "step to try one on",
-    "fixes-not-reproduced": "no fix was tried: the failing step, run again on copies as it ran, came out finite, so "
-                            "no remedy could be judged on it",
-    "fixes-replay-raised": "no fix was tried: the failing step, run again on copies as it ran, raised {error}",
-    "fixes-no-loss-code": "no fix was tried: the producer ran in the loss code, which the trials could not run "
-                          "again: {reason}",
-    "fixes-no-data-code": "no fix was tried: the producer ran in code that built the data (a target, an input), "
-                          "which the trials could not run again: {reason}",
     "fixes-no-op": "no fix was tried: the remedies fit the producer's op, which was not named; " + _OPS,
-    "fixes-no-call": "no fix was tried: no model call of the failing step was kept to run again",
-    "fixes-none-fit": "no fix was tried: the producer's op ({op}) is not one a remedy changes at its line (the "
-                      "trials change a log, log1p, sqrt, rsqrt, pow, division, acos, asin, atanh or logit, an exp, a "
-                      "softmax, a std or variance of one element, a line in half precision)",
-    "fixes-batch-outside": "no fix was tried: the non-finite values did not enter through a model call's arguments "
-                           "(the loop's code read them, or a gradient given to backward held them), and skip-batch "
-                           "leaves samples out of a model call's batch only",
-    "fixes-optimizer-none": "no fix was tried: the producer ran in the {optimizer} step, whose trials redo it at a "
-                            "tenth of its learning rate or with an Adam eps its dtype holds, neither the remedy of "
-                            "a {cause}",
-    "fixes-optimizer-overflow": "no fix was tried: the trials of the {optimizer} step (a tenth of its learning rate, "
-                                "a larger eps) leave its gradient as large as it was, and clipping it is not one of "
-                                "them",
-    "fixes-update-code": "no fix was tried: the producer ({op}) ran in the loop's code between backward() and the "
-                         "step, which the trials do not run again",
-    "fixes-update-divisor": "no fix was tried: the producer ({op}) ran in the loop's code between backward() and the "
-                            "step, which the trials do not run again (they replay the step's forward, loss and "
-                            "backward only); an eps in its divisor at that line (norm.clamp_min(eps), or norm + eps) "
-                            "is the likely remedy, not verified",
-    "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
-    "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
-    "fixes-interrupted": "the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried; the rest "
-                         "of the report is as found",
-    "needs-ranks": "no fix was tried under a process group of {ranks:~rank}: {reason}, and the other ranks are not "
-                   "replaying",
-    "ranks-sharded": "the model is sharded by FSDP (its forward gathers parameters from every rank)",
-    "ranks-sync-batchnorm": "a SyncBatchNorm in training mode syncs its statistics across ranks",
-    "ranks-optimizer": "the {optimizer} optimizer communicates across ranks",
-    "ranks-collective": "the loss code runs a collective ({op})",
     "rank-saw-none": "rank {rank} saw no non-finite value of its own at this step",
     # a note of a scene written before notes were data: its sentence as it was
     "said": "{text}",
@@ -360,6 +327,12 @@ def _restore(note: Note) -> str:
     return f"report.restore() puts back the model and optimizer state after step {step}"
 
 
+def _refused(note: Note) -> str:
+    what = note.fact("what") or "a pickle instruction torch does not load safely"  # (torch's message named no class)
+    return (f"loading it needs {what}, which is neither a tensor nor a plain value and could run code (torch.load "
+            "weights_only=True refuses it)")
+
+
 def _scene_saved(note: Note) -> str:
     return (f"scene saved: {note.fact('path')} ({human_size(note.fact('bytes'))}); nan_magic.load_scene(path) or "
             "%nanreplay rebuilds it")
@@ -483,6 +456,7 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "enclosing-missed": _enclosing_missed,
     "computed-inside": _computed_inside,
     "restore": _restore,
+    "refused": _refused,
     "scene-saved": _scene_saved,
     "batch-lacks": _batch_lacks,
     "autograd-backward": _autograd_backward,
@@ -497,4 +471,5 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "benign-replay-lacks": _benign_replay_lacks,
     "entered-outside-unread": _entered_outside_unread,
     **LR_NOTE_WRITERS,
+    **FIX_REASON_WRITERS,
 }
