@@ -94,6 +94,17 @@ def test_a_reason_of_a_later_version_reads_as_its_kind_and_never_raises() -> Non
     assert "not tried: from-a-later-version" in _text(trial)
 
 
+@pytest.mark.parametrize("reason", [Note("time-budget"), Note.of("time-budget", budget="two"),
+                                    Note.of("fixes-no-loss-code", reason=("nothing-to-change", "not facts"))],
+                         ids=["value-missing", "value-mistyped", "nested-reason-malformed"])
+def test_a_known_reason_whose_values_are_not_its_words_reads_as_found_and_never_raises(reason: Note) -> None:
+    trial = FixTrial("eps", reason=reason)
+    assert trial.untried is not None and trial.untried.startswith(reason.kind)
+    assert f"not tried: {reason.kind}" in _text(trial)
+    report = Report(Phase.FORWARD, "fc", "Linear", 3, 1, 0, 0, 4, fixes=(trial,))
+    assert json.loads(report.to_json())["fixes"][0]["untried"].startswith(reason.kind)
+
+
 def test_a_real_trial_keeps_its_reason_as_a_kind_and_the_same_words() -> None:
     report = _train(_make(LogOf))
     stable = _trial(report, "stable")

@@ -179,13 +179,23 @@ _DELIBERATE: dict[str, str] = {
 def note_text(note: Note) -> str:
     """The sentence ``note`` stands for."""
     words = _WRITERS.get(note.kind)
-    if words is not None:
-        text = words(note)
-    elif note.kind in _TEMPLATES:
-        text = _fill(_TEMPLATES[note.kind], note)
-    else:  # a kind this version does not know (a scene of a later one): its facts, as they are
-        text = f"{note.kind}: " + ", ".join(f"{key} {value}" for key, value in note.facts)
+    try:
+        if words is not None:
+            text = words(note)
+        elif note.kind in _TEMPLATES:
+            text = _fill(_TEMPLATES[note.kind], note)
+        else:
+            text = _as_found(note)  # a kind this version does not know (a scene of a later one)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        # A known kind whose values are not what its words take (a scene of another version): a sentence never
+        # costs the user the report or the line it is in.
+        text = _as_found(note)
     return f"{text}; {_OPS}" if note.fact("ops_hint") else text
+
+
+def _as_found(note: Note) -> str:
+    """A note's kind and its values as they are, for one whose words cannot be written."""
+    return f"{note.kind}: " + ", ".join(f"{key} {value}" for key, value in note.facts)
 
 
 def debugger_command() -> str:
