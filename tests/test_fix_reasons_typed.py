@@ -17,6 +17,7 @@ import nan_magic
 from nan_magic.fixes.loss import unjudged
 from nan_magic.plain import from_plain, to_plain
 from nan_magic.records import FixTrial, Note, Phase, Report
+from nan_magic.scene.dump import SCENE_VERSION
 
 #: Each reason with varying words, as its Note and the sentence the trials wrote before reasons were data.
 _SAID_BEFORE = [
@@ -151,3 +152,16 @@ def test_the_json_report_keeps_the_reason_and_its_words() -> None:
 
 def _text(trial: FixTrial) -> str:
     return Report(Phase.FORWARD, "fc", "Linear", 3, 1, 0, 0, 4, fixes=(trial,)).to_text()
+
+
+def test_a_scene_of_a_newer_version_opens_with_one_warning_that_says_so(tmp_path) -> None:
+    report = _train(_make(LogOf), dump=str(tmp_path))
+    assert report is not None and report.scene is not None
+    data = torch.load(report.scene, weights_only=True)
+    data["version"] += 1
+    newer = tmp_path / "newer_scene.pt"
+    torch.save(data, newer)
+    said = rf"written by a newer nan_magic \(scene version {SCENE_VERSION + 1}; this one reads up to {SCENE_VERSION}\)"
+    with pytest.warns(UserWarning, match=said):
+        scene = nan_magic.load_scene(newer)
+    assert scene.report.step == report.step and scene.report.op == report.op

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import os
 import pickle
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from nan_magic.hot.kept.rng import RngState, capture_rng_state, restore_rng_stat
 from nan_magic.localize.replay.module_run import ReplayResult, replay_module
 from nan_magic.plain import from_plain
 from nan_magic.records import Note, Phase, Report
-from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, refusal, safe_load
+from nan_magic.scene.dump import REFUSED_GLOBAL, SCENE_FORMAT, SCENE_VERSION, refusal, safe_load
 from nan_magic.scene.older_scenes import as_version_7, reasons_said, typed_tensors, warnings_said, with_paths
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,6 +86,11 @@ def load_scene(path: str | os.PathLike[str], *, map_location: Any = None) -> Sce
         raise ValueError(f"{path} is not a nan_magic scene file") from None
     if not isinstance(data, dict) or data.get("format") != SCENE_FORMAT:
         raise ValueError(f"{path} is not a nan_magic scene file")
+    if isinstance(data.get("version"), int) and data["version"] > SCENE_VERSION:
+        # (It opens: its plain data loads, but facts of kinds this version does not know read as found.)
+        warnings.warn(f"{path}: written by a newer nan_magic (scene version {data['version']}; this one reads up to "
+                      f"{SCENE_VERSION}): some of its report may read as bare kinds; upgrade nan_magic to read it all",
+                      stacklevel=2)
     return Scene(path, data)
 
 
