@@ -380,7 +380,8 @@ def iter_tensors(
 
     With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes are
     read too, one level (:func:`object_tensors`): a detector's result object (detectron2's ``Instances``, a user's
-    class). Arguments are walked without: a cache object passed to every call would be read at every call.
+    class). Arguments are walked without: a cache object passed to every call would be read at every call; only the
+    batch entering a model (once per top-level call) is walked with them, as a graph library's ``Data`` object.
     """
     if type(value) is torch.Tensor:  # the common case: one output
         if is_checkable(value):

@@ -327,7 +327,10 @@ class ForwardChecks:
             tensors = [(FIRST_ARGUMENT, 0, batch)] if checkable else argument_tensors(
                 values, prefix, self.watch.skipped)
         else:
-            tensors = argument_tensors(values, prefix, self.watch.skipped)
+            # A batch object of the user's class (a graph library's ``Data``: ``model(data)``, its features
+            # ``data.x``) brings its tensor attributes in, as a dataclass's fields do: a NaN there is data, not the
+            # first line of the model's code that reads it.
+            tensors = argument_tensors(values, prefix, self.watch.skipped, attributes=True)
         skipped = self.watch.skipped
         if skipped and "nested" in skipped:  # (no call unless a nested tensor was met: a dict's truth and `in`)
             tensors += nested_values(values, prefix)  # a jagged batch's values, read as its own (call_records.py)

@@ -59,7 +59,8 @@ def argument_path(prefix: str, argument: int | str) -> str:
 
 
 def argument_tensors(
-    values: tuple[Any, ...] | Mapping[str, Any], prefix: str, skipped: Counter[str] | None = None
+    values: tuple[Any, ...] | Mapping[str, Any], prefix: str, skipped: Counter[str] | None = None, *,
+    attributes: bool = False,
 ) -> list[tuple[str, int | str, torch.Tensor]]:
     """``(path, argument, tensor)`` for every checkable tensor in a call's arguments.
 
@@ -67,12 +68,14 @@ def argument_tensors(
     keyword arguments (``"kwargs"``); ``argument`` is the position or keyword
     of the argument that holds the tensor, a field the producer rule reads
     the forward parameter's name by (localize/ops/masks.py), never parsed from the path.
+    ``attributes``: a plain object's own tensor attributes too (:func:`iter_tensors`), for the batch entering a
+    model, read once per top-level call.
     """
     arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
     return [
         (path, argument, tensor)
         for argument, value in arguments
-        for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped)
+        for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped, attributes=attributes)
     ]
 
 
