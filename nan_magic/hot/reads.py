@@ -378,10 +378,11 @@ def iter_tensors(
     watch cannot read is left out and, given ``skipped``, counted there
     under its :func:`unreadable_reason`.
 
-    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes are
-    read too, one level (:func:`object_tensors`): a detector's result object (detectron2's ``Instances``, a user's
-    class). Arguments are walked without: a cache object passed to every call would be read at every call; only the
-    batch entering a model (once per top-level call) is walked with them, as a graph library's ``Data`` object.
+    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes, and
+    the mappings it keeps them in, are read too (:func:`object_tensors`): a detector's result object (detectron2's
+    ``Instances``, a user's class). Arguments are walked without: a cache object passed to every call would be read
+    at every call; only the batch entering a model (once per top-level call) is walked with them, as a graph
+    library's ``Data`` object.
     """
     if type(value) is torch.Tensor:  # the common case: one output
         if is_checkable(value):
@@ -394,11 +395,12 @@ def iter_tensors(
     return found
 
 
-def object_tensors(value: Any) -> list[tuple[str, torch.Tensor]] | None:
-    """``(name, tensor)`` for each tensor a plain object holds in its own ``__dict__``; None for no plain object.
+def object_tensors(value: Any) -> list[tuple[str, torch.Tensor | Mapping[Any, Any]]] | None:
+    """``(name, value)`` for each tensor and mapping in a plain object's own ``__dict__``; None for no plain object.
 
-    Only the tensors themselves (one level: a list of tensors in an attribute is not walked), read without
-    calling the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
+    A mapping may keep the object's tensors for it (detectron2's ``Instances``: ``_fields``; a graph library's
+    ``Data``: the ``_store`` that ``data.x`` reads). A list in an attribute is not walked (a cache's layers). Read
+    without the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
     class, and an object without a ``__dict__`` (``__slots__`` only) are no plain object here.
     """
     if isinstance(value, (nn.Module, type)):
@@ -409,7 +411,7 @@ def object_tensors(value: Any) -> list[tuple[str, torch.Tensor]] | None:
         return None
     if type(fields) is not dict:
         return None
-    return [(name, item) for name, item in fields.items() if isinstance(item, torch.Tensor)]
+    return [(name, item) for name, item in fields.items() if isinstance(item, (torch.Tensor, Mapping))]
 
 
 def transformed_call(args: Any, kwargs: Any) -> bool:
@@ -494,4 +496,5 @@ def _collect(
                 _collect(item, f"{path}.{name}", depth + 1, found, skipped)
     elif attributes and (held := object_tensors(value)):
         for name, item in held:
-            _collect(item, f"{path}.{name}", depth + 1, found, skipped)
+            # (a mapping's values may be objects again: an Instances field's ``Boxes``, which holds ``.tensor``)
+            _collect(item, f"{path}.{name}", depth + 1, found, skipped, attributes)

@@ -1,0 +1,30 @@
+"""What the watch reads of an object of the user's class (hot/reads.object_tensors): its own tensors, and the
+mappings it keeps them in; the batch entering a model is read so, other calls' arguments are not."""
+
+from __future__ import annotations
+
+import torch
+from contract.hunt_s44b import Boxes, GraphData, Instances
+
+from nan_magic.hot.kept.call_records import argument_tensors
+from nan_magic.hot.reads import iter_tensors
+
+
+def test_an_objects_mapping_of_fields_is_read_with_the_objects_inside_it() -> None:
+    boxes, scores = torch.ones(2, 4), torch.ones(2)
+    result = Instances((8, 8), pred_boxes=Boxes(boxes), scores=scores)
+    result.history = [torch.ones(1)]  # a list attribute (a cache's layers): not walked
+    found = iter_tensors(result, "output", attributes=True)
+    assert [path for path, _ in found] == ["output._fields['pred_boxes'].tensor", "output._fields['scores']"]
+    assert found[0][1] is boxes and found[1][1] is scores
+    assert iter_tensors(result, "input") == []  # another call's arguments: no attributes read
+
+
+def test_the_batch_entering_a_model_reads_a_graph_objects_store() -> None:
+    x, edges, batch = torch.randn(3, 2), torch.zeros(2, 2, dtype=torch.long), torch.zeros(3)
+    data = GraphData(x, edges, batch)
+    entering = argument_tensors((data,), "input", attributes=True)
+    assert [(path, argument) for path, argument, _ in entering] == [
+        ("input[0]._store['x']", 0), ("input[0]._store['batch']", 0)]
+    assert entering[0][2] is x
+    assert argument_tensors((data,), "input") == []
