@@ -28,3 +28,23 @@ def test_the_batch_entering_a_model_reads_a_graph_objects_store() -> None:
         ("input[0]._store['x']", 0), ("input[0]._store['batch']", 0)]
     assert entering[0][2] is x
     assert argument_tensors((data,), "input") == []
+
+
+def test_a_numpy_batch_is_read_over_its_own_memory_and_odd_arrays_are_left_unread() -> None:
+    import warnings
+
+    import numpy as np
+
+    from nan_magic.hot.kept.call_records import array_values
+
+    table = np.arange(12.0).reshape(3, 4)
+    frozen = table.copy()
+    frozen.flags.writeable = False
+    arguments = (table, {"features": table.astype(np.float32)}, table[::-1], table.astype(">f8"), frozen,
+                 np.ones(3, dtype=np.int64), np.zeros((0, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns over a read-only array: never made a tensor
+        found = array_values(arguments, "input")
+    assert [(path, argument) for path, argument, _ in found] == [("input[0]", 0), ("input[1]['features']", 1)]
+    table[0, 0] = np.nan  # the same memory: what the array holds when it is read
+    assert bool(found[0][2].isnan()[0, 0])

@@ -36,6 +36,7 @@ from nan_magic.hot.kept.call_records import (
     Frame,
     TensorRecord,
     argument_tensors,
+    array_values,
     nested_values,
     plain_arguments,
 )
@@ -68,6 +69,9 @@ class ForwardChecks:
         self.replayer = replayer
         self._hook_gradient = hook_gradient
         self.rule = rule
+        # The tensors over the last model call's numpy batch (call_records.array_values): its records hold them
+        # weakly, and the deferred check reads them after the call; the next call with a numpy batch lets them go.
+        self._arrays: list[torch.Tensor] = []
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
@@ -334,6 +338,9 @@ class ForwardChecks:
         skipped = self.watch.skipped
         if skipped and "nested" in skipped:  # (no call unless a nested tensor was met: a dict's truth and `in`)
             tensors += nested_values(values, prefix)  # a jagged batch's values, read as its own (call_records.py)
+        if checkable is None and (arrays := array_values(values, prefix)):  # (not ``model(x)`` of a tensor)
+            tensors += arrays
+            self._arrays = [tensor for _path, _argument, tensor in arrays]
         if not tensors:
             return
         log = self.watch.log

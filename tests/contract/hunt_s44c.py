@@ -1,0 +1,93 @@
+"""hunt_s44c, a model given a numpy batch, which its own ``forward`` converts, in every mode.
+
+A scikit-learn-style wrapper: ``model(x)`` with ``x`` a numpy array (or a dict of them), made a tensor by
+``torch.as_tensor`` inside the model's ``forward``. A NaN the array brought in (a missing value in the table) was
+reported as the root's own forward, op None, cause unclassified, in every mode: no tensor entered the model, so
+nothing was read as its batch. Rows: the NaN at step 2, in a plain array, in a dict of arrays, in the 3rd of 4
+accumulated micro-batches (the deferred check reads the batch after later micro-batches ran); the healthy twin, and
+a model that imputes the missing values itself (a handled batch: benign, silent).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from contract import Case, Expect, Scenario
+from contract.loops import batches as _batches
+from contract.loops import sgd_loop
+
+
+class TabularNet(nn.Module):
+    """An MLP over a table given as numpy; ``impute`` replaces missing values by 0 first."""
+
+    def __init__(self, impute: bool) -> None:
+        super().__init__()
+        self.impute = impute
+        self.fc, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x: np.ndarray | dict[str, np.ndarray]) -> torch.Tensor:
+        table = x["features"] if isinstance(x, dict) else x
+        h = torch.as_tensor(table, dtype=torch.float32)
+        if self.impute:
+            h = torch.nan_to_num(h, nan=0.0)
+        return self.head(self.fc(h).relu())
+
+
+def _tables(missing: bool, steps: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    tables = [rng.normal(size=(5, 4)) for _ in range(steps)]
+    if missing:
+        tables[2][1, 2] = np.nan
+    return tables
+
+
+def _numpy(missing: bool, impute: bool = False, as_dict: bool = False) -> Scenario:
+    """Step 2's table has a missing value (NaN). Twins: no missing value; a model that imputes it."""
+    torch.manual_seed(0)
+    model = TabularNet(impute)
+    tables, ys = _tables(missing), _batches(5, 1)
+
+    def batch(step: int) -> tuple[object]:
+        return ({"features": tables[step]},) if as_dict else (tables[step],)
+
+    return sgd_loop(model, batch, lambda out, step: F.mse_loss(out, ys[step]))
+
+
+def _accumulated(missing: bool) -> Scenario:
+    """4 micro-batches a step, one SGD step after them; at step 1 the 3rd micro-batch has a missing value."""
+    torch.manual_seed(0)
+    model = TabularNet(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tables = [_tables(False, 4) for _ in range(3)]
+    if missing:
+        tables[1][2][0, 3] = np.nan
+    ys = [_batches(5, 1) for _ in range(3)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(4):
+                loss = F.mse_loss(model(tables[step][micro]), ys[step][micro]) / 4
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+_DATA = Expect("data", "", "TabularNet", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data")
+
+CASES = [
+    Case("hunt_s44_numpy_batch_missing_value_is_data", lambda: _numpy(True), _DATA),
+    Case("hunt_s44_numpy_dict_batch_missing_value_is_data", lambda: _numpy(True, as_dict=True), _DATA),
+    Case("hunt_s44_numpy_batch_healthy", lambda: _numpy(False), None),
+    Case("hunt_s44_numpy_batch_imputed_by_the_model_healthy", lambda: _numpy(True, impute=True), None),
+    Case("hunt_s44_numpy_batch_third_micro_batch_missing_value", lambda: _accumulated(True),
+         Expect("data", "", "TabularNet", step=1, op=None, kinds=frozenset({"nan"}), cause="bad-input-data")),
+    Case("hunt_s44_numpy_batch_accumulated_healthy", lambda: _accumulated(False), None),
+]
