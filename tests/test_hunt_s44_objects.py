@@ -48,3 +48,12 @@ def test_a_numpy_batch_is_read_over_its_own_memory_and_odd_arrays_are_left_unrea
     assert [(path, argument) for path, argument, _ in found] == [("input[0]", 0), ("input[1]['features']", 1)]
     table[0, 0] = np.nan  # the same memory: what the array holds when it is read
     assert bool(found[0][2].isnan()[0, 0])
+
+
+def test_a_large_mapping_attribute_is_no_store_of_fields() -> None:
+    class Batch:
+        def __init__(self) -> None:
+            self.x = torch.ones(2)
+            self.vocab = {f"token{i}": torch.tensor(float(i)) for i in range(1000)}  # read every step: not fields
+
+    assert [path for path, _ in iter_tensors(Batch(), "input[0]", attributes=True)] == ["input[0].x"]

@@ -371,8 +371,7 @@ def iter_tensors(
 
     Handles tensors, tuples/lists, mappings (including Hugging Face
     ``ModelOutput``, an ordered dict), dataclasses and ``torch.distributions`` objects (their parameters). Paths
-    read like Python:
-    ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
+    read like Python: ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
     and a flat tuple of tensors take a fast path; depth is bounded so that odd
     self-referencing containers cannot hang a hook. A floating tensor the
     watch cannot read is left out and, given ``skipped``, counted there
@@ -398,9 +397,9 @@ def iter_tensors(
 def object_tensors(value: Any) -> list[tuple[str, torch.Tensor | Mapping[Any, Any]]] | None:
     """``(name, value)`` for each tensor and mapping in a plain object's own ``__dict__``; None for no plain object.
 
-    A mapping may keep the object's tensors for it (detectron2's ``Instances``: ``_fields``; a graph library's
-    ``Data``: the ``_store`` that ``data.x`` reads). A list in an attribute is not walked (a cache's layers). Read
-    without the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
+    A mapping may keep the object's tensors (detectron2's ``Instances``: ``_fields``; a graph library's ``Data``: the
+    ``_store`` ``data.x`` reads); one of over 64 entries (a vocabulary) is not read, nor a list (a cache's layers).
+    Read without the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
     class, and an object without a ``__dict__`` (``__slots__`` only) are no plain object here.
     """
     if isinstance(value, (nn.Module, type)):
@@ -411,7 +410,8 @@ def object_tensors(value: Any) -> list[tuple[str, torch.Tensor | Mapping[Any, An
         return None
     if type(fields) is not dict:
         return None
-    return [(name, item) for name, item in fields.items() if isinstance(item, (torch.Tensor, Mapping))]
+    return [(name, item) for name, item in fields.items()
+            if isinstance(item, torch.Tensor) or (isinstance(item, Mapping) and len(item) <= 64)]
 
 
 def transformed_call(args: Any, kwargs: Any) -> bool:
