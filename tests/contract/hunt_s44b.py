@@ -5,7 +5,9 @@ library's ``Data`` batch (PyTorch Geometric's keeps its tensors in a storage map
 reads through ``__getattr__``), whose features hold a NaN (the watch read no tensor of it: the root's own code was
 named the producer, phase forward, cause unclassified); and a detector's result, detectron2's ``Instances`` (its
 fields in a dict ``_fields``, a box field an object holding ``.tensor``), whose box regression takes ``log(0)`` (the
-watch read no output: the loss code's inf was called bad input data, module None). Each with a healthy twin.
+watch read no output: the loss code's inf was called bad input data, module None). Already right, kept as evidence: a
+batch of a ``torch.Tensor`` subclass whose ops return plain tensors (as torchvision's ``tv_tensors.Image``), with a
+NaN pixel (data) or a flat image a per-image std divides (the model's own line). Each with a healthy twin.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._pytree import tree_map
 
 from contract import Case, Expect, Scenario
 from contract.hunt_s44 import GraphNet
@@ -124,6 +127,48 @@ def _instances(eps: float) -> Scenario:
     return sgd_loop(model, lambda step: (xs[step],), loss_fn, lr=0.0)
 
 
+# ---------------------------------------------------------------- a batch of a Tensor subclass
+class Image(torch.Tensor):
+    """A tensor subclass whose ops return plain tensors, as torchvision's ``tv_tensors`` do."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> Image:
+        return torch.Tensor._make_subclass(cls, data, False)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return tree_map(lambda t: t.as_subclass(torch.Tensor) if isinstance(t, Image) else t, out)
+
+
+class StdNormalised(nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps, self.conv, self.head = eps, nn.Conv2d(1, 2, 3), nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        h = h / (h.std(dim=(2, 3), keepdim=True) + self.eps)  # producer: per-image std
+        return self.head(h.mean((2, 3)))
+
+
+def _images(eps: float, nan: bool, flat: bool) -> Scenario:
+    """Step 2's batch holds a NaN pixel, or a flat image (the conv has no bias after zeroing it: its map is constant,
+    the std 0). Twin: healthy images and an eps."""
+    torch.manual_seed(0)
+    model = StdNormalised(eps)
+    with torch.no_grad():
+        model.conv.bias.zero_()
+    xs = [torch.randn(2, 1, 5, 5) for _ in range(4)]
+    if nan:
+        xs[2][1, 0, 2, 2] = float("nan")
+    if flat:
+        xs[2][1] = 0.5
+    images, ys = [Image(x) for x in xs], _batches(2, 1)
+    return sgd_loop(model, lambda step: (images[step],), lambda out, step: F.mse_loss(out, ys[step]), lr=0.0)
+
+
 CASES = [
     Case("hunt_s44_graph_batch_with_a_store_nan_feature_is_data", lambda: _stored_graph(True),
          Expect("data", "", "GraphNet", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data",
@@ -133,4 +178,9 @@ CASES = [
          Expect("forward", "", "BoxRegressor", step=2, op="aten.log.default", marker="log size",
                 kinds=frozenset({"-inf"}))),
     Case("hunt_s44_instances_result_healthy", lambda: _instances(1e-6), None),
+    Case("hunt_s44_tensor_subclass_batch_nan_pixel_is_data", lambda: _images(1e-5, True, False),
+         Expect("data", "", "StdNormalised", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data")),
+    Case("hunt_s44_tensor_subclass_batch_flat_image_std_0", lambda: _images(0.0, False, True),
+         Expect("forward", "", "StdNormalised", step=2, op="aten.div.Tensor", marker="per-image std")),
+    Case("hunt_s44_tensor_subclass_batch_healthy", lambda: _images(1e-5, False, False), None),
 ]
