@@ -67,8 +67,9 @@ class GraphData:
         return getattr(self.__dict__["_store"], key)
 
 
-def _stored_graph(nan_feature: bool) -> Scenario:
-    """Two graphs of 3 nodes a batch; at step 2 node 3's feature 1 is NaN (a missing value). Twin: none missing."""
+def _stored_graph(nan_feature: bool, keyword: bool = False) -> Scenario:
+    """Two graphs of 3 nodes a batch, given by position or as ``model(data=...)``; at step 2 node 3's feature 1 is NaN
+    (a missing value). Twin: none missing."""
     torch.manual_seed(0)
     model = GraphNet(1.0)
     graphs = []
@@ -79,6 +80,20 @@ def _stored_graph(nan_feature: bool) -> Scenario:
         edges = torch.tensor([[0, 1, 2, 3, 4, 5, 1, 4], [1, 2, 0, 4, 5, 3, 0, 3]])
         graphs.append(GraphData(x, edges, torch.tensor([0, 0, 0, 1, 1, 1])))
     ys = _batches(2, 1)
+    if keyword:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def run() -> list[torch.Tensor]:
+            losses = []
+            for step in range(4):
+                loss = F.mse_loss(model(data=graphs[step]), ys[step])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return losses
+
+        return Scenario((model, opt), run)
     return sgd_loop(model, lambda step: (graphs[step],), lambda out, step: F.mse_loss(out, ys[step]))
 
 
@@ -173,7 +188,10 @@ CASES = [
     Case("hunt_s44_graph_batch_with_a_store_nan_feature_is_data", lambda: _stored_graph(True),
          Expect("data", "", "GraphNet", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data",
                 says=(("default", "skip-batch cannot leave out"), ("defer", "skip-batch cannot leave out")))),
+    Case("hunt_s44_graph_batch_with_a_store_by_keyword_nan_feature_is_data", lambda: _stored_graph(True, True),
+         Expect("data", "", "GraphNet", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data")),
     Case("hunt_s44_graph_batch_with_a_store_healthy", lambda: _stored_graph(False), None),
+    Case("hunt_s44_graph_batch_with_a_store_by_keyword_healthy", lambda: _stored_graph(False, True), None),
     Case("hunt_s44_instances_result_log_of_a_zero_size", lambda: _instances(0.0),
          Expect("forward", "", "BoxRegressor", step=2, op="aten.log.default", marker="log size",
                 kinds=frozenset({"-inf"}))),

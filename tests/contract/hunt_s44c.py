@@ -3,9 +3,11 @@
 A scikit-learn-style wrapper: ``model(x)`` with ``x`` a numpy array (or a dict of them), made a tensor by
 ``torch.as_tensor`` inside the model's ``forward``. A NaN the array brought in (a missing value in the table) was
 reported as the root's own forward, op None, cause unclassified, in every mode: no tensor entered the model, so
-nothing was read as its batch. Rows: the NaN at step 2, in a plain array, in a dict of arrays, in the 3rd of 4
-accumulated micro-batches (the deferred check reads the batch after later micro-batches ran); the healthy twin, and
-a model that imputes the missing values itself (a handled batch: benign, silent).
+nothing was read as its batch. Given by keyword (``model(x=table)``), the per-module and op modes judged the first
+child before the keyword batch, noted as the call returns: they too named the model's code. Rows: the NaN at step
+2, in a plain array, in a dict of arrays, by keyword, in the 3rd of 4 accumulated micro-batches (the deferred check
+reads the batch after later micro-batches ran); the healthy twins, and a model that imputes the missing values
+itself (a handled batch: benign, silent).
 """
 
 from __future__ import annotations
@@ -44,11 +46,26 @@ def _tables(missing: bool, steps: int = 4) -> list[np.ndarray]:
     return tables
 
 
-def _numpy(missing: bool, impute: bool = False, as_dict: bool = False) -> Scenario:
-    """Step 2's table has a missing value (NaN). Twins: no missing value; a model that imputes it."""
+def _numpy(missing: bool, impute: bool = False, as_dict: bool = False, keyword: bool = False) -> Scenario:
+    """Step 2's table has a missing value (NaN); the table given by position, in a dict, or as ``model(x=...)``.
+    Twins: no missing value; a model that imputes it."""
     torch.manual_seed(0)
     model = TabularNet(impute)
     tables, ys = _tables(missing), _batches(5, 1)
+    if keyword:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def run() -> list[torch.Tensor]:
+            losses = []
+            for step in range(4):
+                loss = F.mse_loss(model(x=tables[step]), ys[step])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return losses
+
+        return Scenario((model, opt), run)
 
     def batch(step: int) -> tuple[object]:
         return ({"features": tables[step]},) if as_dict else (tables[step],)
@@ -88,7 +105,9 @@ _DATA = Expect("data", "", "TabularNet", step=2, op=None, kinds=frozenset({"nan"
 CASES = [
     Case("hunt_s44_numpy_batch_missing_value_is_data", lambda: _numpy(True), _DATA),
     Case("hunt_s44_numpy_dict_batch_missing_value_is_data", lambda: _numpy(True, as_dict=True), _DATA),
+    Case("hunt_s44_numpy_batch_by_keyword_missing_value_is_data", lambda: _numpy(True, keyword=True), _DATA),
     Case("hunt_s44_numpy_batch_healthy", lambda: _numpy(False), None),
+    Case("hunt_s44_numpy_batch_by_keyword_healthy", lambda: _numpy(False, keyword=True), None),
     Case("hunt_s44_numpy_batch_imputed_by_the_model_healthy", lambda: _numpy(True, impute=True), None),
     Case("hunt_s44_numpy_batch_third_micro_batch_missing_value", lambda: _accumulated(True),
          Expect("data", "", "TabularNet", step=1, op=None, kinds=frozenset({"nan"}), cause="bad-input-data",

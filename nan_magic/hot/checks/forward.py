@@ -344,6 +344,13 @@ class ForwardChecks:
         if not tensors:
             return
         log = self.watch.log
+        if prefix == "kwargs" and consumer is not None:
+            # What _note_inputs left out of the call's inputs (an object's tensors, a numpy array's): the deferred
+            # check looks for the keyword batch among them (localize/producer.py's _keyword_data_first).
+            noted = {input_path for input_path, *_rest in consumer.inputs}
+            for path, argument, tensor in tensors:
+                if path not in noted:
+                    log.note_input(consumer, path, argument, tensor)
         if len(tensors) == 1:  # (``model(x)``, every step: the call made, recorded and returned in one)
             path, argument, tensor = tensors[0]
             call = log.one_call(Phase.DATA, info, module, path, tensor)
