@@ -57,3 +57,19 @@ def test_a_large_mapping_attribute_is_no_store_of_fields() -> None:
             self.vocab = {f"token{i}": torch.tensor(float(i)) for i in range(1000)}  # read every step: not fields
 
     assert [path for path, _ in iter_tensors(Batch(), "input[0]", attributes=True)] == ["input[0].x"]
+
+
+def test_an_object_attribute_is_read_where_it_holds_a_tensor_itself() -> None:
+    class Tokenizer:  # no tensor of its own: not walked (its vocabulary neither)
+        def __init__(self) -> None:
+            self.vocab = {"a": 0}
+            self.special = {"pad": torch.tensor(0.0)}
+
+    class Result:
+        def __init__(self, boxes: Boxes) -> None:
+            self.boxes, self.tokenizer = boxes, Tokenizer()
+            self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+    boxes = torch.ones(2, 4)
+    found = iter_tensors(Result(Boxes(boxes)), "output", attributes=True)
+    assert [path for path, _ in found] == ["output.boxes.tensor"] and found[0][1] is boxes

@@ -1,20 +1,20 @@
 """What the watch reads of a tensor, and the reads that say whether it is finite.
 
-:func:`probe` is the hot path, run on every watched tensor: one fused ``torch.aminmax`` whose two scalars say
-whether the tensor is finite (NaN propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and give its
-range for the per-layer table. It allocates no full-size temporary, unlike ``isfinite(x).all()``. :func:`norms`
-reads whole parameter sets at once; :func:`read_scalars` brings the 0-d results to the host in one transfer per
-device. The exact counts and summaries of a tensor involved in an event are hot/stats.py's.
+:func:`probe` is the hot path, run on every watched tensor: one fused ``torch.aminmax`` whose two scalars say whether
+the tensor is finite (NaN propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and give its range for
+the per-layer table. It allocates no full-size temporary, unlike ``isfinite(x).all()``. :func:`norms` reads whole
+parameter sets at once; :func:`read_scalars` brings the 0-d results to the host in one transfer per device. The exact
+counts and summaries of a tensor involved in an event are hot/stats.py's.
 
 What is read of a tensor (:func:`values_to_read`): a real floating tensor's own values; a complex tensor's real view
-(``torch.view_as_real``: a complex value is non-finite where its real or imaginary part is); a sparse tensor's
-stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is zero); a float8 tensor's values widened to
-float32 (torch has no float8 reductions). Statistics describe what was read, so a complex tensor's counts are *per
-real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN, and its ``shape`` and ``numel`` are those of the
-real view (a trailing 2); a sparse tensor's are those of its stored values. A tensor the watch cannot read
-(:func:`unreadable_reason`: nested, meta, packed float4, a subclass with its own dispatch such as a fake or
-functional tensor) is skipped and counted, never read: reading it would fail or run someone else's code. A
-``torch.func`` transform's wrapper (grad's, vmap's) is read through the plain tensor it wraps (hot/wrapped.py).
+(``torch.view_as_real``: a complex value is non-finite where its real or imaginary part is); a sparse tensor's stored
+values (COO, CSR, CSC, BSR, BSC: an element it does not store is zero); a float8 tensor's values widened to float32
+(torch has no float8 reductions). Statistics describe what was read, so a complex tensor's counts are *per real
+component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN, and its ``shape`` and ``numel`` are those of the real
+view (a trailing 2); a sparse tensor's are those of its stored values. A tensor the watch cannot read
+(:func:`unreadable_reason`: nested, meta, packed float4, a subclass with its own dispatch such as a fake or functional
+tensor) is skipped and counted, never read: reading it would fail or run someone else's code. A ``torch.func``
+transform's wrapper (grad's, vmap's) is read through the plain tensor it wraps (hot/wrapped.py).
 """
 
 from __future__ import annotations
@@ -369,19 +369,17 @@ def iter_tensors(
 ) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` for every checkable tensor in a nested value.
 
-    Handles tensors, tuples/lists, mappings (including Hugging Face
-    ``ModelOutput``, an ordered dict), dataclasses and ``torch.distributions`` objects (their parameters). Paths
-    read like Python: ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
-    and a flat tuple of tensors take a fast path; depth is bounded so that odd
-    self-referencing containers cannot hang a hook. A floating tensor the
-    watch cannot read is left out and, given ``skipped``, counted there
-    under its :func:`unreadable_reason`.
+    Handles tensors, tuples/lists, mappings (including Hugging Face ``ModelOutput``, an ordered dict), dataclasses
+    and ``torch.distributions`` objects (their parameters). Paths read like Python: ``[1]``, ``['logits']``,
+    ``.hidden``. Runs in every hook, so a bare tensor and a flat tuple of tensors take a fast path; depth is bounded
+    so that odd self-referencing containers cannot hang a hook. A floating tensor the watch cannot read is left out
+    and, given ``skipped``, counted there under its :func:`unreadable_reason`.
 
-    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes, and
-    the mappings it keeps them in, are read too (:func:`object_tensors`): a detector's result object (detectron2's
-    ``Instances``, a user's class). Arguments are walked without: a cache object passed to every call would be read
-    at every call; only the batch entering a model (once per top-level call) is walked with them, as a graph
-    library's ``Data`` object.
+    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes, the
+    mappings it keeps them in and the objects holding tensors of their own, are read too (:func:`object_tensors`): a
+    detector's result object (detectron2's ``Instances``, a user's class). Arguments are walked without: a cache
+    object passed to every call would be read at every call; only the batch entering a model (once per top-level
+    call) is walked with them, as a graph library's ``Data`` object.
     """
     if type(value) is torch.Tensor:  # the common case: one output
         if is_checkable(value):
@@ -394,24 +392,27 @@ def iter_tensors(
     return found
 
 
-def object_tensors(value: Any) -> list[tuple[str, torch.Tensor | Mapping[Any, Any]]] | None:
-    """``(name, value)`` for each tensor and mapping in a plain object's own ``__dict__``; None for no plain object.
+def object_tensors(value: Any) -> list[tuple[str, Any]] | None:
+    """``(name, value)`` for each tensor, mapping and tensor-holding object in a plain object's own ``__dict__``.
 
-    A mapping may keep the object's tensors (detectron2's ``Instances``: ``_fields``; a graph library's ``Data``: the
-    ``_store`` ``data.x`` reads); one of over 64 entries (a vocabulary) is not read, nor a list (a cache's layers).
-    Read without the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
-    class, and an object without a ``__dict__`` (``__slots__`` only) are no plain object here.
-    """
-    if isinstance(value, (nn.Module, type)):
-        return None
-    try:
-        fields = object.__getattribute__(value, "__dict__")
-    except AttributeError:
-        return None
-    if type(fields) is not dict:
+    A mapping may keep the object's tensors (``Instances._fields``; a graph ``Data``'s ``_store``), unless of over
+    64 entries (a vocabulary); an object, where its own ``__dict__`` holds a tensor (a result's ``Boxes``, not a
+    tokenizer); a list is not read (a cache's layers). Read without the object's code (``object.__getattribute__``).
+    None for no plain object: a module, a class, an optimizer, an object without a ``__dict__`` (``__slots__``)."""
+    fields = _own_fields(value)
+    if fields is None:
         return None
     return [(name, item) for name, item in fields.items()
-            if isinstance(item, torch.Tensor) or (isinstance(item, Mapping) and len(item) <= 64)]
+            if isinstance(item, torch.Tensor) or (isinstance(item, Mapping) and len(item) <= 64) or (
+                (inner := _own_fields(item)) is not None and any(isinstance(v, torch.Tensor) for v in inner.values()))]
+
+
+def _own_fields(value: Any) -> dict[str, Any] | None:
+    try:
+        fields = None if isinstance(value, _NOT_PLAIN) else object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return None
+    return fields if type(fields) is dict else None
 
 
 def transformed_call(args: Any, kwargs: Any) -> bool:
@@ -426,14 +427,12 @@ def unread_parts(output: Any) -> tuple[str, ...]:
     The :func:`unreadable_reason` of each floating tensor left out (``functorch``: inside ``functionalize``), and
     ``object <class>`` for a return value that is an object whose tensors, if any, are not its own attributes
     (``__slots__``, a list of tensors). Empty for a value with nothing floating to read (an integer tensor). Off the
-    hot path: asked only of a call whose output gave no record.
-    """
+    hot path: asked only of a call whose output gave no record."""
     skipped: Counter[str] = Counter()
     iter_tensors(output, "", skipped, attributes=True)
     reasons = list(skipped)
     if not reasons and not isinstance(output, (torch.Tensor, Mapping, tuple, list, *_LEAVES)) and not (
-        dataclasses.is_dataclass(output) or isinstance(output, torch.distributions.Distribution)
-    ):
+            dataclasses.is_dataclass(output) or isinstance(output, torch.distributions.Distribution)):
         reasons.append(f"object {type(output).__name__}")
     return tuple(reasons)
 
@@ -452,6 +451,7 @@ def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> tor
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))
+_NOT_PLAIN = (nn.Module, type, torch.optim.Optimizer, *_LEAVES)
 
 
 def _collect(

@@ -5,7 +5,8 @@ library's ``Data`` batch (PyTorch Geometric's keeps its tensors in a storage map
 reads through ``__getattr__``), whose features hold a NaN (the watch read no tensor of it: the root's own code was
 named the producer, phase forward, cause unclassified); and a detector's result, detectron2's ``Instances`` (its
 fields in a dict ``_fields``, a box field an object holding ``.tensor``), whose box regression takes ``log(0)`` (the
-watch read no output: the loss code's inf was called bad input data, module None). Already right, kept as evidence: a
+watch read no output: the loss code's inf was called bad input data, module None), or whose result object holds
+its boxes as an object attribute (the same; ops=True named the log). Already right, kept as evidence: a
 batch of a ``torch.Tensor`` subclass whose ops return plain tensors (as torchvision's ``tv_tensors.Image``), with a
 NaN pixel (data) or a flat image a per-image std divides (the model's own line). Each with a healthy twin.
 """
@@ -142,6 +143,35 @@ def _instances(eps: float) -> Scenario:
     return sgd_loop(model, lambda step: (xs[step],), loss_fn, lr=0.0)
 
 
+# ---------------------------------------------------------------- a result object holding another object
+class Detections:
+    """A result whose boxes are an object of their own (``Boxes``, holding ``.tensor``), as an attribute."""
+
+    def __init__(self, boxes: Boxes, scores: torch.Tensor) -> None:
+        self.boxes, self.scores = boxes, scores
+
+
+class NestedRegressor(BoxRegressor):
+    def forward(self, x: torch.Tensor) -> Detections:  # type: ignore[override]
+        raw = self.box(x)
+        return Detections(Boxes(torch.log(raw.abs() + self.eps)), self.cls(x))  # producer: nested log size
+
+
+def _nested(eps: float) -> Scenario:
+    """As :func:`_instances`, the result ``Detections(Boxes(...), scores)``. Twin: eps."""
+    torch.manual_seed(0)
+    model = NestedRegressor(eps)
+    with torch.no_grad():
+        model.box.bias.zero_()
+    xs, ys = _batches(3, 4), _batches(3, 4)
+    xs[2][1] = 0.0
+
+    def loss_fn(out: Detections, step: int) -> torch.Tensor:
+        return F.smooth_l1_loss(out.boxes.tensor, ys[step]) + out.scores.mean()
+
+    return sgd_loop(model, lambda step: (xs[step],), loss_fn, lr=0.0)
+
+
 # ---------------------------------------------------------------- a batch of a Tensor subclass
 class Image(torch.Tensor):
     """A tensor subclass whose ops return plain tensors, as torchvision's ``tv_tensors`` do."""
@@ -196,6 +226,10 @@ CASES = [
          Expect("forward", "", "BoxRegressor", step=2, op="aten.log.default", marker="log size",
                 kinds=frozenset({"-inf"}))),
     Case("hunt_s44_instances_result_healthy", lambda: _instances(1e-6), None),
+    Case("hunt_s44_result_object_holding_a_boxes_object_log_of_a_zero_size", lambda: _nested(0.0),
+         Expect("forward", "", "NestedRegressor", step=2, op="aten.log.default", marker="nested log size",
+                kinds=frozenset({"-inf"}))),
+    Case("hunt_s44_result_object_holding_a_boxes_object_healthy", lambda: _nested(1e-6), None),
     Case("hunt_s44_tensor_subclass_batch_nan_pixel_is_data", lambda: _images(1e-5, True, False),
          Expect("data", "", "StdNormalised", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data")),
     Case("hunt_s44_tensor_subclass_batch_flat_image_std_0", lambda: _images(0.0, False, True),
