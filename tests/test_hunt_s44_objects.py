@@ -73,3 +73,43 @@ def test_an_object_attribute_is_read_where_it_holds_a_tensor_itself() -> None:
     boxes = torch.ones(2, 4)
     found = iter_tensors(Result(Boxes(boxes)), "output", attributes=True)
     assert [path for path, _ in found] == ["output.boxes.tensor"] and found[0][1] is boxes
+
+
+def test_a_numpy_batch_is_the_users_again_after_the_step_and_after_the_watch() -> None:
+    """The tensors over a numpy batch are held for the step's check only: a buffer the loop resizes in place
+    (``refcheck=True``) before the next step, and the last array once the watch is left, are not referenced."""
+    import gc
+    import weakref
+
+    import numpy as np
+    from torch import nn
+
+    import nan_magic
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x: np.ndarray) -> torch.Tensor:
+            return self.fc(torch.as_tensor(x, dtype=torch.float32)).pow(2).mean()
+
+    for options in ({}, {"defer": True}, {"ops": True}):
+        torch.manual_seed(0)
+        model = Table()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        buffer = np.zeros((5, 4))
+        with nan_magic.watch(model, **options) as watch:
+            for step in range(3):
+                buffer.resize((5 + step, 4), refcheck=True)  # raises while anything else references its memory
+                buffer[:] = 1.0
+                opt.zero_grad()
+                model(buffer).backward()
+                opt.step()
+            last = np.ones((2, 4))
+            freed = weakref.finalize(last, lambda: None)
+            model(last)
+            del last
+        gc.collect()
+        assert not freed.alive, options
+        assert watch.report is None

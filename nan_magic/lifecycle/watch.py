@@ -436,6 +436,7 @@ class Watch(WatchEvents):
         self.localizing.forget()
         self.gradients.forget_loss_graph()
         self.log.clear()
+        self.cycle.batch_arrays = []
         self.samples.forget()
         if self.origins.tracer is not None:
             self.origins.tracer.reset(ended=True)  # its origins hold frames and tensors of the last step

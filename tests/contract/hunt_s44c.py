@@ -7,7 +7,8 @@ nothing was read as its batch. Given by keyword (``model(x=table)``), the per-mo
 child before the keyword batch, noted as the call returns: they too named the model's code. Rows: the NaN at step
 2, in a plain array, in a dict of arrays, by keyword, in the 3rd of 4 accumulated micro-batches (the deferred check
 reads the batch after later micro-batches ran); the healthy twins, and a model that imputes the missing values
-itself (a handled batch: benign, silent).
+itself (a handled batch: benign, silent). ``model(a, w=w)``, two fresh arrays a step: the keyword's array replaced
+the positional one's kept tensor, freed before the deferred check read it (``1 nan of 20`` read ``0 nan``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,38 @@ def _accumulated(missing: bool) -> Scenario:
     return Scenario((model, opt), run)
 
 
+class WeightedTabularNet(TabularNet):
+    """A table and its per-cell weights, both numpy, the weights by keyword."""
+
+    def forward(self, x: np.ndarray, w: np.ndarray | None = None) -> torch.Tensor:  # type: ignore[override]
+        weights = torch.as_tensor(w, dtype=torch.float32)
+        return self.head(self.fc(torch.as_tensor(x, dtype=torch.float32) * weights).relu())
+
+
+def _positional_and_keyword(missing: bool) -> Scenario:
+    """``model(a, w=w)``, both arrays made fresh each step (the loop keeps none); NaN in ``a`` at step 2."""
+    torch.manual_seed(0)
+    model = WeightedTabularNet(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rng, ys = np.random.default_rng(0), _batches(5, 1)
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            table, weights = rng.normal(size=(5, 4)), np.ones((5, 4))
+            if step == 2 and missing:
+                table[0, 3] = np.nan
+            loss = F.mse_loss(model(table, w=weights), ys[step])
+            del table, weights
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 #: A numpy batch holds no rows skip-batch can leave out: the note says so (not that no model call was given it).
 _UNSLICED = (("default", "skip-batch cannot leave out"), ("defer", "skip-batch cannot leave out"))
 _DATA = Expect("data", "", "TabularNet", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data",
@@ -113,4 +146,9 @@ CASES = [
          Expect("data", "", "TabularNet", step=1, op=None, kinds=frozenset({"nan"}), cause="bad-input-data",
                 says=_UNSLICED)),
     Case("hunt_s44_numpy_batch_accumulated_healthy", lambda: _accumulated(False), None),
+    Case("hunt_s44_numpy_positional_and_keyword_fresh_arrays_counts", lambda: _positional_and_keyword(True),
+         Expect("data", "", "WeightedTabularNet", step=2, op=None, kinds=frozenset({"nan"}), cause="bad-input-data",
+                says=tuple((mode, "input[0] in data step 2: WeightedTabularNet (root) (1 nan of 20)")
+                           for mode in ("default", "defer", "full", "ops")))),
+    Case("hunt_s44_numpy_positional_and_keyword_fresh_arrays_healthy", lambda: _positional_and_keyword(False), None),
 ]

@@ -69,9 +69,6 @@ class ForwardChecks:
         self.replayer = replayer
         self._hook_gradient = hook_gradient
         self.rule = rule
-        # The tensors over the last model call's numpy batch (call_records.array_values): its records hold them
-        # weakly, and the deferred check reads them after the call; the next call with a numpy batch lets them go.
-        self._arrays: list[torch.Tensor] = []
 
     def on_forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         __tracebackhide__ = True  # an interrupt landing in a watch hook: IPython shows the user's frames, not ours
@@ -249,6 +246,7 @@ class ForwardChecks:
                     cycle.sync()
                 finally:
                     timing.judging = None
+                cycle.batch_arrays = []  # (its numpy batch judged)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None and task == -1:
                 # (Not in a backward pass, see on_forward_pre. A training step's loss code may go on across
@@ -340,7 +338,9 @@ class ForwardChecks:
             tensors += nested_values(values, prefix)  # a jagged batch's values, read as its own (call_records.py)
         if checkable is None and (arrays := array_values(values, prefix)):  # (not ``model(x)`` of a tensor)
             tensors += arrays
-            self._arrays = [tensor for _path, _argument, tensor in arrays]
+            # Its records hold them weakly, and the deferred check reads them after the call: the step holds them
+            # (every call's: ``model(a, w=w)`` records two), until it ends (step_cycle.py's release_arrays).
+            self.watch.cycle.batch_arrays += [tensor for _path, _argument, tensor in arrays]
         if not tensors:
             return
         log = self.watch.log
