@@ -113,3 +113,29 @@ def test_a_numpy_batch_is_the_users_again_after_the_step_and_after_the_watch() -
         gc.collect()
         assert not freed.alive, options
         assert watch.report is None
+
+
+def test_an_objects_reads_are_bounded_whatever_it_accumulates() -> None:
+    """A stats log passed into forward whose dict attribute holds a list growing every step, and a 100-entry
+    shadow of tensors: the batch's reads stay the same few tensors every step (they were the whole list)."""
+    from nan_magic.hot.object_reads import MAX_TENSORS
+
+    class Log:
+        def __init__(self) -> None:
+            self.stats: dict[str, list[torch.Tensor]] = {"act_mean": []}
+            self.scale = torch.ones(1)
+
+    log = Log()
+    read = []
+    for _step in range(50):
+        log.stats["act_mean"].append(torch.ones(1))
+        read.append([path for path, _ in iter_tensors(log, "input[1]", attributes=True)])
+    assert read[0] == read[-1] == ["input[1].scale"]
+
+    class Shadow:
+        def __init__(self) -> None:
+            self.weights = {f"w{index}": torch.ones(2) for index in range(40)}
+            self.more = {f"m{index}": torch.ones(2) for index in range(40)}
+
+    entering = argument_tensors(([Shadow(), Shadow()],), "input", attributes=True)
+    assert len(entering) == MAX_TENSORS  # (80 a shadow, 160 in the list: the first 64 of one call's reads)

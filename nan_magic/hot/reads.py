@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.hot.object_reads import _LEAVES, MAX_TENSORS, object_tensors
 from nan_magic.hot.wrapped import is_wrapped, unwrapped
 
 __all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
@@ -388,31 +389,8 @@ def iter_tensors(
             return [(path, inner)]
         return []
     found: list[tuple[str, torch.Tensor]] = []
-    _collect(value, path, 0, found, skipped, attributes)
+    _collect(value, path, 0, found, skipped, [MAX_TENSORS] if attributes else None)
     return found
-
-
-def object_tensors(value: Any) -> list[tuple[str, Any]] | None:
-    """``(name, value)`` for each tensor, mapping and tensor-holding object in a plain object's own ``__dict__``.
-
-    A mapping may keep the object's tensors (``Instances._fields``; a graph ``Data``'s ``_store``), unless of over
-    64 entries (a vocabulary); an object, where its own ``__dict__`` holds a tensor (a result's ``Boxes``, not a
-    tokenizer); a list is not read (a cache's layers). Read without the object's code (``object.__getattribute__``).
-    None for no plain object: a module, a class, an optimizer, an object without a ``__dict__`` (``__slots__``)."""
-    fields = _own_fields(value)
-    if fields is None:
-        return None
-    return [(name, item) for name, item in fields.items()
-            if isinstance(item, torch.Tensor) or (isinstance(item, Mapping) and len(item) <= 64) or (
-                (inner := _own_fields(item)) is not None and any(isinstance(v, torch.Tensor) for v in inner.values()))]
-
-
-def _own_fields(value: Any) -> dict[str, Any] | None:
-    try:
-        fields = None if isinstance(value, _NOT_PLAIN) else object.__getattribute__(value, "__dict__")
-    except AttributeError:
-        return None
-    return fields if type(fields) is dict else None
 
 
 def transformed_call(args: Any, kwargs: Any) -> bool:
@@ -450,8 +428,6 @@ def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> tor
     return None
 
 
-_LEAVES = (str, bytes, int, float, bool, type(None))
-_NOT_PLAIN = (nn.Module, type, torch.optim.Optimizer, *_LEAVES)
 
 
 def _collect(
@@ -460,8 +436,9 @@ def _collect(
     depth: int,
     found: list[tuple[str, torch.Tensor]],
     skipped: Counter[str] | None,
-    attributes: bool = False,
+    attributes: list[int] | None = None,
 ) -> None:
+    # ``attributes``: the tensors objects' reads may still take in this walk (a list, shared down it), or None
     if isinstance(value, torch.Tensor):
         if is_checkable(value):
             found.append((path, value))
@@ -494,7 +471,7 @@ def _collect(
         for name, item in vars(value).items():
             if isinstance(item, (torch.Tensor, torch.distributions.Distribution)):
                 _collect(item, f"{path}.{name}", depth + 1, found, skipped)
-    elif attributes and (held := object_tensors(value)):
-        for name, item in held:
-            # (a mapping's values may be objects again: an Instances field's ``Boxes``, which holds ``.tensor``)
-            _collect(item, f"{path}.{name}", depth + 1, found, skipped, attributes)
+    elif attributes and attributes[0] > 0 and (held := object_tensors(value, attributes[0])):
+        attributes[0] -= len(held)  # (a list of 1000 objects: 64 tensors read of them in all, every step)
+        for name, tensor in held:
+            _collect(tensor, f"{path}{name}", depth + 1, found, skipped)
