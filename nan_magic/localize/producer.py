@@ -130,13 +130,15 @@ class ProducerRule(CallInputs):
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
-            if "nan" not in out_kinds:
-                # An infinity entering is an overflow or a mask that is none (all -inf, an unnamed bias: the mask
-                # rule, ops/masks.py, said so above): an event where it enters, as before.
+            if "nan" not in out_kinds and "+inf" in out_kinds:
+                # A +inf entering is an overflow: an event where it enters, as before.
                 self._emit(finding)
                 return
             # NaN, the code of a missing value: held for the step, an event if anything else of it goes non-finite,
-            # benign if the program handles it (a model that imputes its missing values: held_batch.py).
+            # benign if the program handles it (a model that imputes its missing values: held_batch.py). So is -inf
+            # that the mask rule (ops/masks.py) did not take as a mask as it entered (all -inf: a static KV cache's
+            # bias, whose slots the model opens in place before its attention reads it; or read after that write,
+            # only its probe left): benign at the step's end only where it was opened into a mask so (held_batch.py).
             self.held.hold(finding)
             return
         if self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
