@@ -36,7 +36,7 @@ from nan_magic.fix_records import FUNCTIONS
 from nan_magic.fixes.kept import KeptStep
 from nan_magic.fixes.loss import LossCode, LossSource, loss_code, unjudged, with_code_before
 from nan_magic.fixes.no_remedy import in_update_code, none_fit, update_code_note
-from nan_magic.fixes.remedies.batch import holds_nonfinite, sparse_nonfinite, trained_argument, without_bad_samples
+from nan_magic.fixes.remedies import batch as batches
 from nan_magic.fixes.remedies.correction import CORRECTED, CorrectionFix
 from nan_magic.fixes.remedies.data_code import remedied_batch
 from nan_magic.fixes.remedies.diverged import lr_trial
@@ -191,9 +191,9 @@ def _kept_trials(report: Report, kept: KeptStep, root: RootCall, optimizers: Ite
     target = replay_target(root.module) or model
     calls = kept.replays.calls if kept.replays is not None else ()
     read = _read_by_the_loss(report, kept.loss, root, calls)
-    if isinstance(read, Note) or (report.phase == Phase.DATA and read is None and not holds_nonfinite(root)):
+    if isinstance(read, Note) or (report.phase == Phase.DATA and read is None and not batches.holds_nonfinite(root)):
         raise _NoTrial(Note.of(_no_code_kind(report), reason=read.pair) if isinstance(read, Note) else (
-            none_fit(report) or Note("fixes-batch-outside")))  # (as the tiered watch says it)
+            batches.outside_note(report, (root,)) or Note("fixes-batch-outside")))  # (as the tiered watch says it)
     before_loss = read is None and (report.phase == Phase.DATA or (report.phase == Phase.FORWARD
                                                                   and not _in_loss_code(report)))
     code = read or loss_code(kept.loss, root, before_loss=before_loss, calls=calls)
@@ -239,7 +239,7 @@ def fixes_for(report: Report, replays: StepReplays, optimizers: Iterable[torch.o
         root = replays.calls[-1]
     model = replays.model_of(root.module) if root is not None else None
     if root is None or model is None:
-        none = none_fit(report) if report.phase == Phase.DATA else Note("fixes-no-call")
+        none = batches.outside_note(report, replays.calls) if report.phase == Phase.DATA else Note("fixes-no-call")
         if none is None:
             return ()
         raise _NoTrial(none)
@@ -266,7 +266,7 @@ def _read_by_the_loss(report: Report, loss: LossSource, root: RootCall, calls: I
     be run so; or None where the event is no such one (a batch given the model non-finite values)."""
     if report.phase != Phase.DATA or report.module is not None or report.op is None or (
             (function := producer_site(report).function) not in FUNCTIONS and function not in CORRECTED) or (
-                holds_nonfinite(root)):
+                batches.holds_nonfinite(root)):
         return None
     code = loss_code(loss, root, before_loss=False, calls=calls)
     return with_code_before(code, loss.recorder) if isinstance(code, LossCode) and loss.recorder is not None else code
@@ -325,7 +325,7 @@ def _alone(module: nn.Module | None, target: nn.Module | None, optimizers: Itera
 
 def batch_call(calls: Iterable[RootCall]) -> RootCall | None:
     """The latest model call of the step that was given non-finite data (a ``data`` event's), or None."""
-    return next((root for root in reversed(list(calls)) if holds_nonfinite(root)), None)
+    return next((root for root in reversed(list(calls)) if batches.holds_nonfinite(root)), None)
 
 
 #: A trial to run: what it returns is the record.
@@ -481,11 +481,11 @@ def try_optimizer_fixes(report: Report, optimizers: Iterable[torch.optim.Optimiz
 def _skip_batch(report: Report, step: FailingStep) -> tuple[FixTrial, ...]:
     """``skip-batch`` (remedies/batch.py): the step without the samples whose data is non-finite; not offered for a
     tensor the loop trains (a soft prompt), whose rows are no samples."""
-    if trained_argument(step):
+    if batches.trained_argument(step):
         return ()
-    if sparse_nonfinite(step):
+    if batches.sparse_nonfinite(step):
         return (at_producer("skip-batch", report, reason=Note("sparse-batch")),)
-    left = without_bad_samples(step)
+    left = batches.without_bad_samples(step)
     if left is None:
         return (at_producer("skip-batch", report, reason=Note("no-sample-left-out")),)
     smaller, dropped, size = left

@@ -1,20 +1,20 @@
 """What the watch reads of a tensor, and the reads that say whether it is finite.
 
-:func:`probe` is the hot path, run on every watched tensor: one fused ``torch.aminmax`` whose two scalars say
-whether the tensor is finite (NaN propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and give its
-range for the per-layer table. It allocates no full-size temporary, unlike ``isfinite(x).all()``. :func:`norms`
-reads whole parameter sets at once; :func:`read_scalars` brings the 0-d results to the host in one transfer per
-device. The exact counts and summaries of a tensor involved in an event are hot/stats.py's.
+:func:`probe` is the hot path, run on every watched tensor: one fused ``torch.aminmax`` whose two scalars say whether
+the tensor is finite (NaN propagates into both, ``+inf`` shows as the max, ``-inf`` as the min) and give its range for
+the per-layer table. It allocates no full-size temporary, unlike ``isfinite(x).all()``. :func:`norms` reads whole
+parameter sets at once; :func:`read_scalars` brings the 0-d results to the host in one transfer per device. The exact
+counts and summaries of a tensor involved in an event are hot/stats.py's.
 
 What is read of a tensor (:func:`values_to_read`): a real floating tensor's own values; a complex tensor's real view
-(``torch.view_as_real``: a complex value is non-finite where its real or imaginary part is); a sparse tensor's
-stored values (COO, CSR, CSC, BSR, BSC: an element it does not store is zero); a float8 tensor's values widened to
-float32 (torch has no float8 reductions). Statistics describe what was read, so a complex tensor's counts are *per
-real component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN, and its ``shape`` and ``numel`` are those of the
-real view (a trailing 2); a sparse tensor's are those of its stored values. A tensor the watch cannot read
-(:func:`unreadable_reason`: nested, meta, packed float4, a subclass with its own dispatch such as a fake or
-functional tensor) is skipped and counted, never read: reading it would fail or run someone else's code. A
-``torch.func`` transform's wrapper (grad's, vmap's) is read through the plain tensor it wraps (hot/wrapped.py).
+(``torch.view_as_real``: a complex value is non-finite where its real or imaginary part is); a sparse tensor's stored
+values (COO, CSR, CSC, BSR, BSC: an element it does not store is zero); a float8 tensor's values widened to float32
+(torch has no float8 reductions). Statistics describe what was read, so a complex tensor's counts are *per real
+component*: ``-inf+0j`` counts one -inf, ``nan+nanj`` two NaN, and its ``shape`` and ``numel`` are those of the real
+view (a trailing 2); a sparse tensor's are those of its stored values. A tensor the watch cannot read
+(:func:`unreadable_reason`: nested, meta, packed float4, a subclass with its own dispatch such as a fake or functional
+tensor) is skipped and counted, never read: reading it would fail or run someone else's code. A ``torch.func``
+transform's wrapper (grad's, vmap's) is read through the plain tensor it wraps (hot/wrapped.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nan_magic.hot.object_reads import _LEAVES, MAX_TENSORS, object_tensors
 from nan_magic.hot.wrapped import is_wrapped, unwrapped
 
 __all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
@@ -369,18 +370,17 @@ def iter_tensors(
 ) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` for every checkable tensor in a nested value.
 
-    Handles tensors, tuples/lists, mappings (including Hugging Face
-    ``ModelOutput``, an ordered dict), dataclasses and ``torch.distributions`` objects (their parameters). Paths
-    read like Python:
-    ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor
-    and a flat tuple of tensors take a fast path; depth is bounded so that odd
-    self-referencing containers cannot hang a hook. A floating tensor the
-    watch cannot read is left out and, given ``skipped``, counted there
-    under its :func:`unreadable_reason`.
+    Handles tensors, tuples/lists, mappings (including Hugging Face ``ModelOutput``, an ordered dict), dataclasses
+    and ``torch.distributions`` objects (their parameters). Paths read like Python: ``[1]``, ``['logits']``,
+    ``.hidden``. Runs in every hook, so a bare tensor and a flat tuple of tensors take a fast path; depth is bounded
+    so that odd self-referencing containers cannot hang a hook. A floating tensor the watch cannot read is left out
+    and, given ``skipped``, counted there under its :func:`unreadable_reason`.
 
-    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes are
-    read too, one level (:func:`object_tensors`): a detector's result object (detectron2's ``Instances``, a user's
-    class). Arguments are walked without: a cache object passed to every call would be read at every call.
+    With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes, the
+    mappings it keeps them in and the objects holding tensors of their own, are read too (:func:`object_tensors`): a
+    detector's result object (detectron2's ``Instances``, a user's class). Arguments are walked without: a cache
+    object passed to every call would be read at every call; only the batch entering a model (once per top-level
+    call) is walked with them, as a graph library's ``Data`` object.
     """
     if type(value) is torch.Tensor:  # the common case: one output
         if is_checkable(value):
@@ -389,26 +389,8 @@ def iter_tensors(
             return [(path, inner)]
         return []
     found: list[tuple[str, torch.Tensor]] = []
-    _collect(value, path, 0, found, skipped, attributes)
+    _collect(value, path, 0, found, skipped, [MAX_TENSORS] if attributes else None)
     return found
-
-
-def object_tensors(value: Any) -> list[tuple[str, torch.Tensor]] | None:
-    """``(name, tensor)`` for each tensor a plain object holds in its own ``__dict__``; None for no plain object.
-
-    Only the tensors themselves (one level: a list of tensors in an attribute is not walked), read without
-    calling the object's code (``object.__getattribute__``: no ``__getattr__`` of its class runs). A module, a
-    class, and an object without a ``__dict__`` (``__slots__`` only) are no plain object here.
-    """
-    if isinstance(value, (nn.Module, type)):
-        return None
-    try:
-        fields = object.__getattribute__(value, "__dict__")
-    except AttributeError:
-        return None
-    if type(fields) is not dict:
-        return None
-    return [(name, item) for name, item in fields.items() if isinstance(item, torch.Tensor)]
 
 
 def transformed_call(args: Any, kwargs: Any) -> bool:
@@ -423,14 +405,12 @@ def unread_parts(output: Any) -> tuple[str, ...]:
     The :func:`unreadable_reason` of each floating tensor left out (``functorch``: inside ``functionalize``), and
     ``object <class>`` for a return value that is an object whose tensors, if any, are not its own attributes
     (``__slots__``, a list of tensors). Empty for a value with nothing floating to read (an integer tensor). Off the
-    hot path: asked only of a call whose output gave no record.
-    """
+    hot path: asked only of a call whose output gave no record."""
     skipped: Counter[str] = Counter()
     iter_tensors(output, "", skipped, attributes=True)
     reasons = list(skipped)
     if not reasons and not isinstance(output, (torch.Tensor, Mapping, tuple, list, *_LEAVES)) and not (
-        dataclasses.is_dataclass(output) or isinstance(output, torch.distributions.Distribution)
-    ):
+            dataclasses.is_dataclass(output) or isinstance(output, torch.distributions.Distribution)):
         reasons.append(f"object {type(output).__name__}")
     return tuple(reasons)
 
@@ -448,7 +428,6 @@ def _count_unreadable(tensor: torch.Tensor, skipped: Counter[str] | None) -> tor
     return None
 
 
-_LEAVES = (str, bytes, int, float, bool, type(None))
 
 
 def _collect(
@@ -457,8 +436,9 @@ def _collect(
     depth: int,
     found: list[tuple[str, torch.Tensor]],
     skipped: Counter[str] | None,
-    attributes: bool = False,
+    attributes: list[int] | None = None,
 ) -> None:
+    # ``attributes``: the tensors objects' reads may still take in this walk (a list, shared down it), or None
     if isinstance(value, torch.Tensor):
         if is_checkable(value):
             found.append((path, value))
@@ -491,6 +471,7 @@ def _collect(
         for name, item in vars(value).items():
             if isinstance(item, (torch.Tensor, torch.distributions.Distribution)):
                 _collect(item, f"{path}.{name}", depth + 1, found, skipped)
-    elif attributes and (held := object_tensors(value)):
-        for name, item in held:
-            _collect(item, f"{path}.{name}", depth + 1, found, skipped)
+    elif attributes and attributes[0] > 0 and (held := object_tensors(value, attributes[0])):
+        attributes[0] -= len(held)  # (a list of 1000 objects: 64 tensors read of them in all, every step)
+        for name, tensor in held:
+            _collect(tensor, f"{path}{name}", depth + 1, found, skipped)

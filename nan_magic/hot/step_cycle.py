@@ -117,6 +117,9 @@ class StepCycle(CycleExit):
         self.update_code = update_code
         #: The step's non-finite batch, held until the step ends (held_batch.py): then the program handled it.
         self.held = held
+        #: The tensors over the step's numpy batches (forward.py's record_data), kept for its check, released as
+        #: the step ends: the user's array is theirs again (``buf.resize(refcheck=True)`` before the next step).
+        self.batch_arrays: list[torch.Tensor] = []
         # The norms of the parameters the loop's code wrote, read with the deferred check's transfer, and how
         # many of the first ran before the calls it judges (their region ended as a model call began).
         self._written: list[torch.Tensor] = []
@@ -199,6 +202,7 @@ class StepCycle(CycleExit):
         if not self.open:
             self._first = module
             self.log.clear()
+            self.batch_arrays = []
             if self.replays is not None:
                 # Training: a call waits for the optimizer of its model (a GAN's G across D's step),
                 # see on_step_post. Inference: the last step's calls go as its first module is called again.
@@ -251,6 +255,7 @@ class StepCycle(CycleExit):
             # was not passed looks like inference until the optimizer steps.
             self.history.pop()
         self.history.append(summary)
+        self.batch_arrays = []  # (judged: the deferred check ran at the optimizer's step, or as the call returned)
         if early := self.early.observe_step(summary):  # (none, most steps: no call)
             self.warn(early)
         self.open = False
@@ -421,6 +426,7 @@ class StepCycle(CycleExit):
         log is about to be cleared), then the GradScaler rule settles a skip.
         """
         self.sync()
+        self.batch_arrays = []  # (judged: a micro-batch's, before the next one's buffer is refilled)
         self.optimizers.on_step_boundary(optimizer)
         self._check_unstepped_gradients()
         self.gradients.backward_runs = 0

@@ -62,6 +62,7 @@ from nan_magic.lifecycle.watch_events import WatchEvents
 from nan_magic.localize.modes import Localizing, localizing
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.derived import ModelDerived
+from nan_magic.localize.ops.masks import opened_in_place
 from nan_magic.localize.ops.owners import root_hook_module
 from nan_magic.localize.outside import entering
 from nan_magic.localize.outside.loop_writes import LoopWrites
@@ -373,7 +374,7 @@ class Watch(WatchEvents):
         self.last_good = LastGood(self.config.keep_last_good)
         hook_gradient = self.gradients.hook_output if self.config.backward else None
         stack: list[Frame] = []  # the module stack: the forward checks push it, the producer rule reads it
-        held = HeldBatch(lambda: self.step, self.emit, lambda finding: self.outcome.handled(finding))
+        held = HeldBatch(lambda: self.step, self.emit, lambda finding: self.outcome.handled(finding), opened_in_place)
         rule = ProducerRule(self.config, self.log, self.emit, self.call_replay, self.origins, stack, held)
         self.forward = ForwardChecks(self, self.call_replay, rule, stack, hook_gradient,
                                      keeps_plain=self.config.ops and self.timing.deferred and self.replay_of is None)
@@ -436,6 +437,7 @@ class Watch(WatchEvents):
         self.localizing.forget()
         self.gradients.forget_loss_graph()
         self.log.clear()
+        self.cycle.batch_arrays = []
         self.samples.forget()
         if self.origins.tracer is not None:
             self.origins.tracer.reset(ended=True)  # its origins hold frames and tensors of the last step

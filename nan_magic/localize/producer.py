@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nan_magic.errors.warning_lines import heard_in_the_step
-from nan_magic.hot.kept.call_records import Call, Frame, TensorRecord, argument_tensors
+from nan_magic.hot.kept.call_records import Call, Frame, TensorRecord, argument_tensors, array_values
 from nan_magic.hot.kept.finding import Finding, mark_deliberate, named_inputs, record_ref
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.held_batch import HeldBatch
@@ -130,13 +130,15 @@ class ProducerRule(CallInputs):
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
-            if "nan" not in out_kinds:
-                # An infinity entering is an overflow or a mask that is none (all -inf, an unnamed bias: the mask
-                # rule, ops/masks.py, said so above): an event where it enters, as before.
+            if "nan" not in out_kinds and "+inf" in out_kinds:
+                # A +inf entering is an overflow: an event where it enters, as before.
                 self._emit(finding)
                 return
             # NaN, the code of a missing value: held for the step, an event if anything else of it goes non-finite,
-            # benign if the program handles it (a model that imputes its missing values: held_batch.py).
+            # benign if the program handles it (a model that imputes its missing values: held_batch.py). So is -inf
+            # that the mask rule (ops/masks.py) did not take as a mask as it entered (all -inf: a static KV cache's
+            # bias, whose slots the model opens in place before its attention reads it; or read after that write,
+            # only its probe left): benign at the step's end only where it was opened into a mask so (held_batch.py).
             self.held.hold(finding)
             return
         if self.origins.tracer is not None and self._judged_by_tracer(call, record, tensor):
@@ -303,20 +305,23 @@ class ProducerRule(CallInputs):
         if not self._replay_enclosing(finding, kinds, enclosing):
             self._emit(finding)
 
-    def _entered_by_keyword(self, top: Call, tensor: torch.Tensor) -> bool:
+    def _entered_by_keyword(self, top: Call, tensor: torch.Tensor,
+                            entry: tuple[str, int | str, torch.Tensor] | None = None) -> bool:
         """Judge ``tensor`` as data where a keyword argument of the running top-level call ``top`` holds it.
 
         Global pre-hooks never see keyword arguments (``model(input_ids=x)``): the
         watch notes them as the call returns, after its children ran. An event
-        inside the call (the immediate mode) finds them in the call's frame.
+        inside the call (the immediate mode) finds them in the call's frame. ``entry``: where it was found already
+        (:func:`_keyword_batch`: a numpy array's tensor is made anew at each look).
         """
-        passed = running_arguments(top.module)
-        if passed is None:
-            return False
-        entering = [entry for entry in argument_tensors(passed[1], "kwargs") if entry[2] is tensor]
-        if not entering:
-            return False
-        path, argument, _tensor = entering[0]
+        if entry is None:
+            passed = running_arguments(top.module)
+            if passed is None:
+                return False
+            entry = next((found for found in argument_tensors(passed[1], "kwargs") if found[2] is tensor), None)
+            if entry is None:
+                return False
+        path, argument, _tensor = entry
         log = self._log
         call = log.new_call(Phase.DATA, top.info, top.module, None)
         record = log.record_output(call, path, tensor)
@@ -348,9 +353,9 @@ class ProducerRule(CallInputs):
                 return False
             self._keywords_of = top  # (once per call: judge runs at each non-finite record)
             passed = running_arguments(top.module)
-            entering = argument_tensors(passed[1], "kwargs") if passed is not None else []
-            return any(is_checkable(tensor) and relevant_kinds(kinds_of(tensor), self.kinds)
-                       and self._entered_by_keyword(top, tensor) for _path, _argument, tensor in entering)
+            entering = _keyword_batch(passed[1]) if passed is not None else []
+            return any(is_checkable(entry[2]) and relevant_kinds(kinds_of(entry[2]), self.kinds)
+                       and self._entered_by_keyword(top, entry[2], entry) for entry in entering)
         for path, _argument, _record, ref, _version in top.inputs:  # returned (the deferred check): recorded then
             tensor = ref()
             record = self._log.lookup(tensor) if tensor is not None and path.startswith("kwargs") else None
@@ -458,3 +463,9 @@ class ProducerRule(CallInputs):
                               bad_stats=record.stats() if tensor is None else None)
             self._emit(mark_deliberate(finding, "scalar"))
         return True
+
+
+def _keyword_batch(kwargs: dict[str, Any]) -> list[tuple[str, int | str, torch.Tensor]]:
+    """What a running top-level call's keyword arguments bring in as its batch, as checks/forward.py's ``record_data``
+    reads it as the call returns: tensors, an object's own tensors, numpy arrays (call_records.array_values)."""
+    return [*argument_tensors(kwargs, "kwargs", attributes=True), *array_values(kwargs, "kwargs")]

@@ -14,22 +14,44 @@ the model call: its replay (fixes/loss.py) and the suggested edit drop the same 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from nan_magic.fixes.no_remedy import none_fit
 from nan_magic.fixes.step import FailingStep
+from nan_magic.hot.kept.call_records import array_values
 from nan_magic.hot.reads import iter_tensors, values_to_read
 from nan_magic.localize.replay.module_run import map_tensors
 from nan_magic.localize.replay.tiered.root_calls import RootCall
+from nan_magic.records import Note, Report
 
-__all__ = ["holds_nonfinite", "sparse_nonfinite", "trained_argument", "without_bad_samples"]
+__all__ = ["holds_nonfinite", "outside_note", "sparse_nonfinite", "trained_argument", "unsliced_nonfinite",
+           "without_bad_samples"]
 
 
 def holds_nonfinite(root: RootCall) -> bool:
     """Whether the call's arguments hold a non-finite value (the batch it was given)."""
     return any(not bool(torch.isfinite(values_to_read(tensor)).all())
                for _path, tensor in iter_tensors((root.args, root.kwargs)) if tensor.is_floating_point())
+
+
+def unsliced_nonfinite(root: RootCall) -> bool:
+    """Whether the call's batch holds non-finite values where skip-batch cannot leave samples out: in a numpy array
+    or among an object's attributes (a graph's ``Data``), which the watch reads as the batch (checks/forward.py's
+    ``record_data``) but whose rows it cannot cut (their samples are not the arguments' rows it slices)."""
+    tensors = [tensor for _path, tensor in iter_tensors((root.args, root.kwargs), attributes=True)]
+    tensors += [tensor for _path, _argument, tensor in [*array_values(root.args, "input"),
+                                                        *array_values(root.kwargs, "kwargs")]]
+    return any(tensor.is_floating_point() and not bool(torch.isfinite(values_to_read(tensor)).all())
+               for tensor in tensors)
+
+
+def outside_note(report: Report, calls: Iterable[RootCall]) -> Note | None:
+    """Why skip-batch was not tried at a data event whose batch no call holds as rows: ``fixes-batch-unsliced``
+    where a call's numpy array or object held the values, else :func:`none_fit`'s note."""
+    return Note("fixes-batch-unsliced") if any(unsliced_nonfinite(call) for call in calls) else none_fit(report)
 
 
 def trained_argument(step: FailingStep) -> bool:

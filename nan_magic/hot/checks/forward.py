@@ -36,6 +36,7 @@ from nan_magic.hot.kept.call_records import (
     Frame,
     TensorRecord,
     argument_tensors,
+    array_values,
     nested_values,
     plain_arguments,
 )
@@ -245,6 +246,7 @@ class ForwardChecks:
                     cycle.sync()
                 finally:
                     timing.judging = None
+                cycle.batch_arrays = []  # (its numpy batch judged)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
             if self.watch.outside is not None and task == -1:
                 # (Not in a backward pass, see on_forward_pre. A training step's loss code may go on across
@@ -327,13 +329,28 @@ class ForwardChecks:
             tensors = [(FIRST_ARGUMENT, 0, batch)] if checkable else argument_tensors(
                 values, prefix, self.watch.skipped)
         else:
-            tensors = argument_tensors(values, prefix, self.watch.skipped)
+            # A batch object of the user's class (a graph library's ``Data``: ``model(data)``, its features
+            # ``data.x``) brings its tensor attributes in, as a dataclass's fields do: a NaN there is data, not the
+            # first line of the model's code that reads it.
+            tensors = argument_tensors(values, prefix, self.watch.skipped, attributes=True)
         skipped = self.watch.skipped
         if skipped and "nested" in skipped:  # (no call unless a nested tensor was met: a dict's truth and `in`)
             tensors += nested_values(values, prefix)  # a jagged batch's values, read as its own (call_records.py)
+        if checkable is None and (arrays := array_values(values, prefix)):  # (not ``model(x)`` of a tensor)
+            tensors += arrays
+            # Its records hold them weakly, and the deferred check reads them after the call: the step holds them
+            # (every call's: ``model(a, w=w)`` records two), until it ends (step_cycle.py's release_arrays).
+            self.watch.cycle.batch_arrays += [tensor for _path, _argument, tensor in arrays]
         if not tensors:
             return
         log = self.watch.log
+        if prefix == "kwargs" and consumer is not None:
+            # What _note_inputs left out of the call's inputs (an object's tensors, a numpy array's): the deferred
+            # check looks for the keyword batch among them (localize/producer.py's _keyword_data_first).
+            noted = {input_path for input_path, *_rest in consumer.inputs}
+            for path, argument, tensor in tensors:
+                if path not in noted:
+                    log.note_input(consumer, path, argument, tensor)
         if len(tensors) == 1:  # (``model(x)``, every step: the call made, recorded and returned in one)
             path, argument, tensor = tensors[0]
             call = log.one_call(Phase.DATA, info, module, path, tensor)

@@ -222,6 +222,8 @@ class StepBoundaries(Protocol):
     def early(self) -> EarlyWarnings: ...
 
     trains: bool
+    #: The tensors over the step's numpy batches (forward.py's record_data), released as the step ends.
+    batch_arrays: list[torch.Tensor]
 
     def training(self) -> bool: ...
 

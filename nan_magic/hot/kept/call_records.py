@@ -11,6 +11,7 @@ of them, and the identity map that finds a tensor's consumer: calls.py.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "FIRST_ARGUMENT", "Alias", "Call", "Frame", "KnownFinite", "TensorRecord", "argument_path", "argument_tensors",
-    "calling_model", "consumer_of", "gradient_label", "nested_values",
+    "array_values", "calling_model", "consumer_of", "gradient_label", "nested_values",
 ]
 
 _NONE: frozenset[str] = frozenset()
@@ -59,7 +60,8 @@ def argument_path(prefix: str, argument: int | str) -> str:
 
 
 def argument_tensors(
-    values: tuple[Any, ...] | Mapping[str, Any], prefix: str, skipped: Counter[str] | None = None
+    values: tuple[Any, ...] | Mapping[str, Any], prefix: str, skipped: Counter[str] | None = None, *,
+    attributes: bool = False,
 ) -> list[tuple[str, int | str, torch.Tensor]]:
     """``(path, argument, tensor)`` for every checkable tensor in a call's arguments.
 
@@ -67,12 +69,14 @@ def argument_tensors(
     keyword arguments (``"kwargs"``); ``argument`` is the position or keyword
     of the argument that holds the tensor, a field the producer rule reads
     the forward parameter's name by (localize/ops/masks.py), never parsed from the path.
+    ``attributes``: a plain object's own tensor attributes too (:func:`iter_tensors`), for the batch entering a
+    model, read once per top-level call.
     """
     arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
     return [
         (path, argument, tensor)
         for argument, value in arguments
-        for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped)
+        for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped, attributes=attributes)
     ]
 
 
@@ -96,6 +100,33 @@ def nested_values(
                 dense = buffer if type(buffer) is torch.Tensor and not buffer.requires_grad else item.detach().values()
                 if is_checkable(dense):
                     found.append((path if index is None else f"{path}[{index}]", argument, dense))
+    return found
+
+
+def array_values(
+    values: tuple[Any, ...] | Mapping[str, Any], prefix: str
+) -> list[tuple[str, int | str, torch.Tensor]]:
+    """``(path, argument, values)`` for each floating numpy array among a call's arguments (an argument, or a value
+    of a dict argument): a tensor over the array's own memory (``torch.from_numpy``, no copy), read as a tensor batch
+    is. For the batch entering a model that converts it in its own ``forward`` (``torch.as_tensor(x)``, as a
+    scikit-learn-style wrapper does): a NaN the array brings in is data, not the first op of the model's code."""
+    numpy = sys.modules.get("numpy")  # (never imported here: a program without numpy passes no array)
+    if numpy is None:
+        return []
+    arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
+    found: list[tuple[str, int | str, torch.Tensor]] = []
+    for argument, value in arguments:
+        path = argument_path(prefix, argument)
+        items = [(f"{path}[{key!r}]", item) for key, item in value.items()] if isinstance(value, dict) else [
+            (path, value)]
+        for item_path, item in items:
+            # A read-only array (a memory-mapped file's) would make torch warn: it is left unread.
+            if (isinstance(item, numpy.ndarray) and item.dtype.kind == "f" and item.dtype.itemsize in (2, 4, 8)
+                    and item.flags.writeable and item.size):
+                try:
+                    found.append((item_path, argument, torch.from_numpy(item)))
+                except (TypeError, ValueError):  # a negative stride (``a[::-1]``), another byte order: left unread
+                    continue
     return found
 
 

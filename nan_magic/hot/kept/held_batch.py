@@ -12,7 +12,9 @@ is today (its op and line where loop code made it), and the step decides:
   lifecycle/events.py before any other finding whose report is not benign; a deliberate infinity of the step, a
   causal mask, leaves it held);
 * the step ends with all of that finite: the batch was handled, a benign event (:meth:`HeldBatch.settle` as the
-  step closes, or at the deferred check that reads its parameters; recorded by lifecycle/events.py).
+  step closes, or at the deferred check that reads its parameters; recorded by lifecycle/events.py). A batch of
+  -inf, no NaN, was handled only where the model opened it into a mask in place (a static KV cache's bias): any
+  other is released then, the event it was as it entered.
 
 Nothing is held, asked or read on a step whose batch is finite: the holder is only reached from the judgement of a
 non-finite record (the step cycle and the deferred check read one attribute a step, inlined).
@@ -46,14 +48,18 @@ class HeldBatch:
     watch's way in for an event (lifecycle/events.py); ``handled``: records a handled batch's benign event there.
     """
 
-    __slots__ = ("_emit", "_handled", "finding", "released", "step")
+    __slots__ = ("_emit", "_handled", "_opened", "finding", "released", "step")
 
     def __init__(
-        self, step: Callable[[], int], emit: Callable[[Finding], None], handled: Callable[[Finding], None]
+        self, step: Callable[[], int], emit: Callable[[Finding], None], handled: Callable[[Finding], None],
+        opened: Callable[[object], bool] = lambda _record: False,
     ) -> None:
         self.step = step
         self._emit = emit
         self._handled = handled
+        # Whether a held -inf batch (no NaN) was opened into a mask in place (localize/ops/masks.py): only then
+        # was it handled; NaN is handled by the step's finite values alone.
+        self._opened = opened
         #: The held data finding (its record's status ``"benign"`` while held, so no check judges it again).
         self.finding: Finding | None = None
         #: The finding being released as an event, while it is emitted: the batch's, whatever op the op tracer
@@ -125,7 +131,12 @@ class HeldBatch:
     def settle(self) -> None:
         """The step ended finite: the held batch, if any, was handled, a benign event (its record stays benign: a
         later read of the step, the watch's exit, passes it by)."""
-        finding, self.finding = self.finding, None
+        finding = self.finding
+        record = finding.record if finding is not None else None
+        if record is not None and "nan" not in record.kinds and not self._opened(record):
+            self.release()  # an infinity entering, no mask even as its consumer read it: the event it was
+            return
+        self.finding = None
         if finding is not None:
             self._handled(finding)
 

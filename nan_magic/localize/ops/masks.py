@@ -159,6 +159,23 @@ def is_additive_mask(tensor: torch.Tensor) -> bool:
     return _holds_a_mask(tensor, named=False)
 
 
+def opened_in_place(record: Any) -> bool:
+    """Whether a batch tensor that entered with -inf and no NaN, no mask then (all -inf), was opened into one by
+    the model in place before its consumer read it: a static KV cache's additive bias, ``bias[..., n] = 0`` at each
+    decode step. Written since its probe, it now holds only 0 and -inf, and a 0 (every slot opened: all 0). Asked
+    as the step that held it ends (hot/kept/held_batch.py): any other -inf batch is the event it was."""
+    if record is None or "nan" in record.kinds or "+inf" in record.kinds or record.ref is None:
+        return False
+    tensor = record.ref()
+    if tensor is None or version_of(tensor) == record.version or not is_checkable(tensor) or tensor.is_complex():
+        return False
+    with torch.no_grad():
+        x = tensor.detach()
+        zero = x == 0
+        flags = torch.stack([(zero | (x == -math.inf)).all(), zero.any()]).tolist()
+    return bool(flags[0] and flags[1])
+
+
 def _stored(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The values ``tensor`` stores, and whether it has elements it does not store (a sparse tensor's zeros).
 
