@@ -138,4 +138,4 @@ def test_an_objects_reads_are_bounded_whatever_it_accumulates() -> None:
             self.more = {f"m{index}": torch.ones(2) for index in range(40)}
 
     entering = argument_tensors(([Shadow(), Shadow()],), "input", attributes=True)
-    assert len(entering) == MAX_TENSORS  # (80 a shadow, 160 in the list: the first 64 of one call's reads)
+    assert len(entering) == MAX_TENSORS  # (80 a shadow, 160 in the list: the first of one call's reads only)

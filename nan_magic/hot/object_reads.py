@@ -21,8 +21,10 @@ from torch import nn
 
 #: A dict attribute of more entries is no object's fields (a vocabulary, an embedding table by word): not read.
 MAX_ENTRIES = 64
-#: The most tensors one read of a value's objects takes (an EMA shadow of every parameter: the first ones only).
-MAX_TENSORS = 64
+#: The most tensors one read of a value's objects takes: a batch object's fields are a few (PyG's ``Data``: x,
+#: edge_index, edge_attr, y, pos, batch, masks); a state passed in every call (an EMA shadow of every parameter) is
+#: no batch, and each tensor read costs about 20 Python calls a step: its first ones only.
+MAX_TENSORS = 16
 
 _LEAVES = (str, bytes, int, float, bool, type(None))
 _NOT_PLAIN = (nn.Module, type, torch.optim.Optimizer, *_LEAVES)
