@@ -19,6 +19,7 @@ What a call received (its inputs' kinds, its parameters, the deliberate masks am
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -130,8 +131,9 @@ class ProducerRule(CallInputs):
                               record=record, bad_stats=record.stats() if tensor is None else None, inputs_finite=False)
             if self.origins.outside is not None or self.origins.tracer is not None:
                 self.origins.add_op_origin(finding, tensor)  # a batch the loop computed: its op and line
-            if "nan" not in out_kinds and "+inf" in out_kinds:
-                # A +inf entering is an overflow: an event where it enters, as before.
+            if "nan" not in out_kinds and ("+inf" in out_kinds or record.high not in (0.0, -math.inf)):
+                # A +inf entering is an overflow, and a -inf among values above 0 (the log of a count of 0) is no
+                # mask the model could open: an event where it enters, as before.
                 self._emit(finding)
                 return
             # NaN, the code of a missing value: held for the step, an event if anything else of it goes non-finite,
