@@ -13,6 +13,7 @@ from watching import raised
 
 from nan_magic import Phase, Report, TensorRef, TensorRole, load_scene
 from nan_magic.render.history_layers import TOP_LAYERS
+from nan_magic.scene.dump import SCENE_VERSION
 
 
 class Block(nn.Module):
@@ -205,7 +206,7 @@ def test_each_row_holds_its_module_s_place_in_the_model_and_an_older_scene_s_tre
     assert paths[""] == () and paths["blocks"] == ("blocks",) and paths["blocks.1.spare"] == ("blocks", "1", "spare")
     assert paths["blocks.0.attn.qkv"] == ("blocks", "0", "attn", "qkv")
     data = torch.load(report.scene, weights_only=True)  # still plain data: no class named in the file
-    assert data["version"] == 7 and all(isinstance(row["path"], tuple) for row in data["report"]["layers"])
+    assert data["version"] == SCENE_VERSION and all(isinstance(row["path"], tuple) for row in data["report"]["layers"])
     scene = load_scene(report.scene)
     # A version 4 scene stored no path: its loader reads the rows' places from their names, and draws the same tree.
     for row in data["report"]["layers"]:
@@ -282,7 +283,7 @@ def test_each_row_names_its_tensor_by_a_typed_reference_and_an_older_scene_s_wor
     assert html_cells(report.to_html(), "tensor") == words
     # A scene keeps each reference as plain data; a version 5 scene kept the words, shown as they were written.
     data = torch.load(report.scene, weights_only=True)
-    assert data["version"] == 7 and data["report"]["layers"][1]["tensor"] == {
+    assert data["version"] == SCENE_VERSION and data["report"]["layers"][1]["tensor"] == {
         "role": "input", "name": None, "path": "input[0]", "before": False}
     assert load_scene(report.scene).report.layers == report.layers
     for row, word in zip(data["report"]["layers"], words):
