@@ -343,8 +343,8 @@ class _Sets(nn.Module):
 
 _KEYWORD_NESTED = ("a nested batch given by keyword (model(given=batch)) is read only as the root returns (kwargs are "
                    "recorded then); under mode='full' and ops=True the root's own code is named first: forward in the "
-                   "root, not data (a dense batch by keyword is data there; ops with defer=True reads the keyword batch "
-                   "first at its deferred check since hunt-s44)")
+                   "root, not data (a dense batch by keyword is data there; ops with defer=True reads the keyword "
+                   "batch first at its deferred check since hunt-s44)")
 
 
 @pytest.mark.parametrize("mode", MODES)
