@@ -29,8 +29,12 @@ _WALKED = 16
 #: Whether a function frame's ``f_locals`` is a snapshot the frame keeps (PEP 667 made it a view in 3.13).
 _SNAPSHOTS = sys.version_info < (3, 13)
 
-#: ``sys.getrefcount`` of a frame's snapshot that only the frame and :func:`let_go`'s caller hold: the frame, the
-#: caller's ``local`` and the call's argument. More: the user's code (``env = locals()``), or a debugger, holds it too.
+#: ``sys.getrefcount`` of a frame's snapshot that only the frame and the function reading it hold: the frame, that
+#: function's ``local`` and the count's own argument. More: the user's code (``env = locals()``), or a debugger, holds
+#: it too. Counted in a statement of its own where it is read, never in a function it is passed to: once
+#: torch.compile has run in the process, dynamo's frame evaluator stays installed, and under it every Python call
+#: holds its arguments once more for as long as it runs (a count one call down read one too many). Nor inside another
+#: call's arguments, where the value stack holds it too.
 _HELD_BY_FRAME_AND_US = 3
 
 
@@ -58,12 +62,14 @@ def called_as(module: Any, frame: FrameType | None = None, local: dict[str, Any]
         return ast.unparse(callee) if _resolved(callee, (local, frame.f_globals)) is module else None
     local = frame.f_locals
     found = _resolved(callee, (local, frame.f_globals))
-    let_go(frame, local)
+    held = sys.getrefcount(local)
+    let_go(frame, local, held)
     return ast.unparse(callee) if found is module else None
 
 
-def let_go(frame: FrameType, local: dict[str, Any]) -> None:
-    """Empty the ``f_locals`` snapshot of a function frame read at a join, unless someone else holds it.
+def let_go(frame: FrameType, local: dict[str, Any], held: int) -> None:
+    """Empty the ``f_locals`` snapshot of a function frame read at a join, unless someone else holds it: ``held`` is
+    ``sys.getrefcount(local)`` as the function that read it counted it (see ``_HELD_BY_FRAME_AND_US``).
 
     Before Python 3.13 a function's ``f_locals`` is a snapshot the frame keeps: it would hold what the loop's
     locals were at the join (the generator's output, its graph, when D joins) for as long as the loop runs.
@@ -72,7 +78,7 @@ def let_go(frame: FrameType, local: dict[str, Any]) -> None:
     stays as it is (it holds those values anyway, for as long as they keep it).
     """
     if (_SNAPSHOTS and frame.f_code.co_flags & inspect.CO_OPTIMIZED and local is not frame.f_globals
-            and sys.getrefcount(local) <= _HELD_BY_FRAME_AND_US + 1):  # (+1: this function's own ``local``)
+            and held <= _HELD_BY_FRAME_AND_US):
         local.clear()
 
 

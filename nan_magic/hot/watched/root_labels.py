@@ -62,7 +62,8 @@ def _bound_names(frame: FrameType, module: nn.Module, calling: bool) -> tuple[st
     called = called_as(module, frame, local) if calling else None
     names = [name for scope in (local, frame.f_globals) for name, value in list(scope.items())
              if value is module and not name.startswith("_") and name != "self"]
-    let_go(frame, local)
+    held = sys.getrefcount(local)
+    let_go(frame, local, held)
     return called, names
 
 
