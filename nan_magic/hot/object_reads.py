@@ -70,6 +70,41 @@ def own_fields(value: Any) -> dict[str, Any] | None:
     return fields if type(fields) is dict else None
 
 
+#: The attribute a mapping class of a known layout keeps its items in, as a dict: ``collections.UserDict``'s
+#: (Hugging Face's ``BatchEncoding``), tensordict's ``TensorDict``, PyG's ``BaseStorage``.
+_STORES = ("data", "_tensordict", "_mapping")
+
+
+def stored_items(mapping: Any) -> dict[Any, Any] | None:
+    """The dict a mapping keeps its items in, read without running its code: a dict (or a dict subclass) itself, the
+    dict attribute of a known layout (:data:`_STORES`), or the one dict attribute a mapping class of the user's has
+    (an LRU cache over an ``OrderedDict``); None for any other mapping. A mapping's ``__getitem__`` and ``__iter__``
+    are its own code, which a hook never runs: an LRU cache reorders itself as it is read, and its iteration then
+    raises; a lazy store loads from disk. Read the dict with ``dict.items(...)``: a dict subclass's own ``items()``
+    is its code too."""
+    if isinstance(mapping, dict):
+        return mapping
+    fields = own_fields(mapping)
+    if fields is None:
+        return None
+    for name in _STORES:
+        if isinstance(store := fields.get(name), dict):
+            return store
+    stores = [value for value in list(fields.values()) if isinstance(value, dict)]
+    return stores[0] if len(stores) == 1 else None
+
+
+def key_text(key: Any) -> str:
+    """A mapping key as a path writes it, ``'logits'`` or ``3``: the repr of a builtin key; another's class name in
+    angle brackets (its own ``__repr__`` is code a hook does not run)."""
+    if type(key) in _KEYS or (type(key) is tuple and all(type(part) in _KEYS for part in key)):
+        return repr(key)
+    return f"<{type(key).__name__}>"
+
+
+_KEYS = (str, int, float, bool, bytes, type(None))
+
+
 def _plain_mapping(item: Any) -> dict[Any, Any] | None:
     """A plain dict of at most :data:`MAX_ENTRIES` entries: the item itself, or a storage object's own
     ``_mapping`` (PyG's ``BaseStorage``, a ``MutableMapping`` whose methods are not run)."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nan_magic.hot.object_reads import _LEAVES, MAX_TENSORS, object_tensors
+from nan_magic.hot.object_reads import _LEAVES, MAX_TENSORS, key_text, object_tensors, stored_items
 from nan_magic.hot.wrapped import is_wrapped, unwrapped
 
 __all__ = ["BATCHED_GRADS", "DOT_MIN_NUMEL", "WIDE_FLOATS", "GradOff", "dot_norm", "finite_max", "is_checkable",
@@ -371,10 +371,12 @@ def iter_tensors(
     """``(path, tensor)`` for every checkable tensor in a nested value.
 
     Handles tensors, tuples/lists, mappings (including Hugging Face ``ModelOutput``, an ordered dict), dataclasses
-    and ``torch.distributions`` objects (their parameters). Paths read like Python: ``[1]``, ``['logits']``,
-    ``.hidden``. Runs in every hook, so a bare tensor and a flat tuple of tensors take a fast path; depth is bounded
-    so that odd self-referencing containers cannot hang a hook. A floating tensor the watch cannot read is left out
-    and, given ``skipped``, counted there under its :func:`unreadable_reason`.
+    and ``torch.distributions`` objects (their parameters). Containers are read as stored, never through their own
+    code (a mapping's ``__getitem__``, a list subclass's ``__iter__``, a key's ``__repr__``: object_reads.py). Paths
+    read like Python: ``[1]``, ``['logits']``, ``.hidden``. Runs in every hook, so a bare tensor and a flat tuple of
+    tensors take a fast path; depth is bounded so that odd self-referencing containers cannot hang a hook. A
+    floating tensor the watch cannot read is left out and, given ``skipped``, counted there under its
+    :func:`unreadable_reason`.
 
     With ``attributes`` (a module's return value, never its arguments) a plain object's own tensor attributes, the
     mappings it keeps them in and the objects holding tensors of their own, are read too (:func:`object_tensors`): a
@@ -456,10 +458,14 @@ def _collect(
     elif isinstance(value, _LEAVES) or depth >= 6:
         return
     elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _collect(item, f"{path}[{key!r}]", depth + 1, found, skipped, attributes)
-    elif isinstance(value, (tuple, list)):  # namedtuples and other subclasses
-        for index, item in enumerate(value):
+        # (Its items as stored, by dict.items: a mapping's own items(), __getitem__ and key reprs are its code, which a
+        # hook never runs: object_reads.stored_items. A Hugging Face ModelOutput is a dict.)
+        if (stored := value if isinstance(value, dict) else stored_items(value)) is not None:
+            for key, item in dict.items(stored):
+                _collect(item, f"{path}[{key!r}]" if type(key) is str else f"{path}[{key_text(key)}]", depth + 1,
+                         found, skipped, attributes)
+    elif isinstance(value, (tuple, list)):  # namedtuples and other subclasses (their items as stored: no __iter__)
+        for index, item in enumerate(tuple.__iter__(value) if isinstance(value, tuple) else list.__iter__(value)):
             _collect(item, f"{path}[{index}]", depth + 1, found, skipped, attributes)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item_field in dataclasses.fields(value):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nan_magic.hot.object_reads import key_text
 from nan_magic.hot.reads import (
     WIDE_FLOATS,
     is_checkable,
@@ -91,7 +92,8 @@ def nested_values(
     found: list[tuple[str, int | str, torch.Tensor]] = []
     for argument, value in arguments:
         path = argument_path(prefix, argument)
-        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        items = (list(enumerate(tuple.__iter__(value) if isinstance(value, tuple) else list.__iter__(value)))
+                 if isinstance(value, (list, tuple)) else [(None, value)])  # (as stored: a subclass's __iter__ is code)
         for index, item in items:
             if isinstance(item, torch.Tensor) and item.is_nested and item.is_floating_point():
                 # A jagged tensor's own buffer, which lives as long as it does (the deferred check reads it a step
@@ -117,8 +119,9 @@ def array_values(
     found: list[tuple[str, int | str, torch.Tensor]] = []
     for argument, value in arguments:
         path = argument_path(prefix, argument)
-        items = [(f"{path}[{key!r}]", item) for key, item in value.items()] if isinstance(value, dict) else [
-            (path, value)]
+        items = [(f"{path}[{key!r}]" if type(key) is str else f"{path}[{key_text(key)}]", item)
+                 for key, item in dict.items(value)] if isinstance(value, dict) else [
+            (path, value)]  # (dict.items and key_text: a dict subclass's own items(), a key's __repr__, are code)
         for item_path, item in items:
             # A read-only array (a memory-mapped file's) would make torch warn: it is left unread.
             if (isinstance(item, numpy.ndarray) and item.dtype.kind == "f" and item.dtype.itemsize in (2, 4, 8)
