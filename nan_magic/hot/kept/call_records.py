@@ -56,7 +56,8 @@ FIRST_ARGUMENT = "input[0]"
 
 
 def argument_path(prefix: str, argument: int | str) -> str:
-    """The path of a whole argument: ``input[0]``, ``kwargs['mask']`` (``prefix``: ``"input"`` or ``"kwargs"``)."""
+    """The path of a whole argument: ``input[0]``, ``kwargs['mask']`` (``prefix``: ``"input"`` or ``"kwargs"``).
+    (Written inline as this f-string where every call's arguments are read: a Python call each.)"""
     return f"{prefix}[{argument!r}]"
 
 
@@ -77,7 +78,7 @@ def argument_tensors(
     return [
         (path, argument, tensor)
         for argument, value in arguments
-        for path, tensor in iter_tensors(value, argument_path(prefix, argument), skipped, attributes=attributes)
+        for path, tensor in iter_tensors(value, f"{prefix}[{argument!r}]", skipped, attributes=attributes)
     ]
 
 
@@ -118,7 +119,9 @@ def array_values(
     arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
     found: list[tuple[str, int | str, torch.Tensor]] = []
     for argument, value in arguments:
-        path = argument_path(prefix, argument)
+        if type(value) is torch.Tensor:  # (the usual argument: no array in it)
+            continue
+        path = f"{prefix}[{argument!r}]"  # (argument_path, inlined: every top-level call's arguments)
         items = [(f"{path}[{key!r}]" if type(key) is str else f"{path}[{key_text(key)}]", item)
                  for key, item in dict.items(value)] if isinstance(value, dict) else [
             (path, value)]  # (dict.items and key_text: a dict subclass's own items(), a key's __repr__, are code)
