@@ -109,22 +109,33 @@ def nested_values(
 def array_values(
     values: tuple[Any, ...] | Mapping[str, Any], prefix: str
 ) -> list[tuple[str, int | str, torch.Tensor]]:
-    """``(path, argument, values)`` for each floating numpy array among a call's arguments (an argument, or a value
-    of a dict argument): a tensor over the array's own memory (``torch.from_numpy``, no copy), read as a tensor batch
-    is. For the batch entering a model that converts it in its own ``forward`` (``torch.as_tensor(x)``, as a
-    scikit-learn-style wrapper does): a NaN the array brings in is data, not the first op of the model's code."""
+    """``(path, argument, values)`` for each floating numpy array among a call's arguments (an argument, a value of
+    a dict argument, an item of a list or tuple argument): a tensor over the array's own memory
+    (``torch.from_numpy``, no copy), read as a tensor batch is. And a list or tuple argument of Python numbers, or of
+    rows of them, that holds one not finite: as a float64 tensor (:func:`unfinite_numbers`). For the batch entering
+    a model that converts it in its own ``forward`` (``torch.as_tensor(x)``, as a scikit-learn-style wrapper or a
+    policy given an environment's observation does): a NaN it brings in is data, not the first op of the model's
+    code."""
     numpy = sys.modules.get("numpy")  # (never imported here: a program without numpy passes no array)
-    if numpy is None:
-        return []
     arguments = values.items() if isinstance(values, Mapping) else enumerate(values)
     found: list[tuple[str, int | str, torch.Tensor]] = []
     for argument, value in arguments:
         if type(value) is torch.Tensor:  # (the usual argument: no array in it)
             continue
         path = f"{prefix}[{argument!r}]"  # (argument_path, inlined: every top-level call's arguments)
-        items = [(f"{path}[{key!r}]" if type(key) is str else f"{path}[{key_text(key)}]", item)
-                 for key, item in dict.items(value)] if isinstance(value, dict) else [
-            (path, value)]  # (dict.items and key_text: a dict subclass's own items(), a key's __repr__, are code)
+        if type(value) is list or type(value) is tuple:
+            if value and (numbers := unfinite_numbers(value)) is not None:
+                found.append((path, argument, numbers))
+                continue
+            items = [(f"{path}[{index}]", item) for index, item in enumerate(value)
+                     if numpy is not None and isinstance(item, numpy.ndarray)]
+        elif isinstance(value, dict):  # (dict.items and key_text: a dict subclass's items(), a key's __repr__: code)
+            items = [(f"{path}[{key!r}]" if type(key) is str else f"{path}[{key_text(key)}]", item)
+                     for key, item in dict.items(value)]
+        else:
+            items = [(path, value)]
+        if numpy is None:
+            continue
         for item_path, item in items:
             # A read-only array (a memory-mapped file's) would make torch warn: it is left unread.
             if (isinstance(item, numpy.ndarray) and item.dtype.kind == "f" and item.dtype.itemsize in (2, 4, 8)
@@ -134,6 +145,26 @@ def array_values(
                 except (TypeError, ValueError):  # a negative stride (``a[::-1]``), another byte order: left unread
                     continue
     return found
+
+
+def unfinite_numbers(rows: list[Any] | tuple[Any, ...]) -> torch.Tensor | None:
+    """A list (or tuple) of Python numbers, or of rows of them, as a float64 tensor, where one is not finite: the
+    rows a CSV reader or an environment gave, which the model makes a tensor of itself (``torch.tensor(rows)``).
+    None where every number is finite (the usual batch: their sum is, and no tensor is made), and for any other
+    list (of tensors, of strings, ragged rows)."""
+    first = rows[0]
+    try:
+        if isinstance(first, (float, int)):
+            total = sum(rows)
+        elif (type(first) is list or type(first) is tuple) and first and isinstance(first[0], (float, int)):
+            total = sum(map(sum, rows))
+        else:
+            return None
+        if math.isfinite(total):
+            return None
+        return torch.tensor(rows, dtype=torch.float64)
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # (not numbers, ragged rows, an int past floats)
+        return None
 
 
 class TensorRecord:

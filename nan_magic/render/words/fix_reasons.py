@@ -36,9 +36,9 @@ FIX_REASON_TEMPLATES: dict[str, str] = {
     "fixes-none-fit": "no fix was tried: the producer's op ({op}) is not one a remedy changes at its line (the "
                       "trials change a log, log1p, sqrt, rsqrt, pow, division, acos, asin, atanh or logit, an exp, a "
                       "softmax, a std or variance of one element, a line in half precision)",
-    "fixes-batch-unsliced": "no fix was tried: the non-finite values entered the model in a numpy array or an "
-                            "object's attributes, whose samples skip-batch cannot leave out; drop them where the batch "
-                            "is made",
+    "fixes-batch-unsliced": "no fix was tried: the non-finite values entered the model in a numpy array, a list of "
+                            "Python numbers or an object's attributes, whose samples skip-batch cannot leave out; drop "
+                            "them where the batch is made",
     "fixes-batch-outside": "no fix was tried: the non-finite values did not enter through a model call's arguments "
                            "(the loop's code read them, or a gradient given to backward held them), and skip-batch "
                            "leaves samples out of a model call's batch only",
