@@ -68,6 +68,8 @@ class EventContext:
     lockstep: Callable[[], bool]
     #: Floating tensors the watch could not read, by reason (every report carries the counts).
     skipped: Counter[str]
+    #: The norm layers' running statistics the step has already made non-finite (explain/norm_stats.py).
+    nonfinite_stats: Callable[[], tuple[str, ...]] = tuple
 
 
 class Events:
@@ -152,6 +154,9 @@ class Events:
                 return
             report = dataclasses.replace(report, follows=self.report.ref)
         if not report.benign and self.report is None:
+            if stats := self.context.nonfinite_stats():  # (the user's model as the step left it: said, not mended)
+                report = dataclasses.replace(report, note_facts=(*report.note_facts,
+                                                                 Note.of("norm-stats-nonfinite", buffers=stats)))
             # The first real event: save the scene / arm the roll-back (scene.py).
             report = self.context.record_scene(finding, report)
             self.report = report

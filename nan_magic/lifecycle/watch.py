@@ -42,6 +42,7 @@ from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.errors.frames import cut_at_placed, cut_where_passed_through, leaving_entry
+from nan_magic.explain.norm_stats import nonfinite_norm_stats
 from nan_magic.hot.checks.forward import ForwardChecks
 from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
@@ -396,6 +397,7 @@ class Watch(WatchEvents):
             traced=lambda: self.origins.tracer is not None and self.origins.tracer.finding is not None,
             lockstep=self.lockstep.in_step,
             skipped=self.skipped,
+            nonfinite_stats=lambda: nonfinite_norm_stats(self.targets.roots),
         ), held, alone=self.replay_of is not None)
         self.update_code = LoopWrites(self.config.kinds, self._named_parameters,
                                       self.optimizers.reports.attribute, self.emit, lambda: self.step,

@@ -348,6 +348,16 @@ def _scene_saved(note: Note) -> str:
             "%nanreplay rebuilds it")
 
 
+def _norm_stats_nonfinite(note: Note) -> str:
+    names: tuple[str, ...] = note.fact("buffers")
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+    one = len(names) == 1
+    return (f"{listed} in your model {'holds' if one else 'hold'} non-finite values now (a norm layer folds each "
+            f"training batch into {'it' if one else 'them'} as its forward runs, and normalises by "
+            f"{'it' if one else 'them'} in evaluation mode): put {'it' if one else 'them'} back before going on "
+            "(report.restore() with keep_last_good=True, or a checkpoint)")
+
+
 def _batch_lacks(note: Note) -> str:
     return _TEMPLATES["batch-lacks"].format(paths=", ".join(note.fact("paths")))
 
@@ -469,6 +479,7 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "refused": _refused,
     "scene-saved": _scene_saved,
     "batch-lacks": _batch_lacks,
+    "norm-stats-nonfinite": _norm_stats_nonfinite,
     "autograd-backward": _autograd_backward,
     "debug-in-replay": _debug_in_replay,
     "debug-later-step": debug_later_step,
