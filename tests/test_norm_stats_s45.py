@@ -97,3 +97,9 @@ def test_several_models_name_their_statistics_by_model() -> None:
     lone = nn.BatchNorm1d(2)
     lone.running_mean[0] = math.nan
     assert nonfinite_norm_stats([("bn", lone)]) == ("running_mean",)
+
+
+def test_a_buffer_that_cannot_be_read_is_no_finding() -> None:
+    lazy = nn.LazyBatchNorm1d()  # (uninitialized buffers until its first call)
+    on_meta = nn.BatchNorm1d(4, device="meta")
+    assert nonfinite_norm_stats([("lazy", lazy), ("meta", on_meta)]) == ()

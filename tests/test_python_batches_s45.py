@@ -105,6 +105,9 @@ def test_only_a_list_of_numbers_holding_one_not_finite_is_made_a_tensor() -> Non
     made = unfinite_numbers([[1.0, math.inf], [2.0, -math.inf]])
     assert made is not None and made.dtype == torch.float64 and made.tolist() == [[1.0, math.inf], [2.0, -math.inf]]
     assert unfinite_numbers((0.5, math.nan)) is not None
+    assert unfinite_numbers([math.inf, -math.inf]) is not None  # (fsum refuses the pair: not finite either)
+    assert unfinite_numbers([1e308, 1e308]) is None  # finite numbers whose sum overflows: no batch of NaN
+    assert unfinite_numbers([1.0, torch.ones(3)]) is None  # a tensor among numbers: not a list of numbers
 
 
 @pytest.mark.parametrize("mode", ["default", "defer"])

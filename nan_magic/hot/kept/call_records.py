@@ -154,16 +154,22 @@ def unfinite_numbers(rows: list[Any] | tuple[Any, ...]) -> torch.Tensor | None:
     list (of tensors, of strings, ragged rows)."""
     first = rows[0]
     try:
+        # (math.fsum: numbers only, in C; +inf and -inf together raise ValueError, not finite either)
         if isinstance(first, (float, int)):
-            total = sum(rows)
+            total = math.fsum(rows)
         elif (type(first) is list or type(first) is tuple) and first and isinstance(first[0], (float, int)):
-            total = sum(map(sum, rows))
+            total = math.fsum(map(math.fsum, rows))
         else:
             return None
-        if math.isfinite(total):
-            return None
+    except ValueError:
+        total = math.nan
+    except (TypeError, OverflowError, RuntimeError):  # (not numbers; finite numbers past a float's range)
+        return None
+    if math.isfinite(total):
+        return None
+    try:
         return torch.tensor(rows, dtype=torch.float64)
-    except (TypeError, ValueError, OverflowError, RuntimeError):  # (not numbers, ragged rows, an int past floats)
+    except (TypeError, ValueError, RuntimeError):  # (ragged rows: no tensor of them)
         return None
 
 
