@@ -378,7 +378,9 @@ def test_the_fix_shown_says_it_hides_the_nan_rather_than_fixing_it(session: Any)
             "1 of 1 verified") in text
     (eps,) = [line for line in text.splitlines() if line.startswith("  eps: ")]
     # h / (h - h) makes +-inf, not NaN (x/0, h nonzero): the fix hides the inf (user-s27: it said "the NaN").
-    assert "verified: the step came out finite" in eps and "the inf is hidden, not fixed" in eps, eps
+    # (session 45: the failing step stopped before its loss code; its backward from ones is said as such)
+    assert "verified through the model only: its forward and a stand-in backward came out finite" in eps, eps
+    assert "the inf is hidden, not fixed" in eps, eps
     assert printed(session, "forward_fields")[1] == "[('eps', 'body', True)]"
 
 

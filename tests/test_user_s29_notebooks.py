@@ -92,6 +92,6 @@ def test_the_tabular_mlp_with_one_missing_value(tmp_path: Path) -> None:
     assert short[0] == "NonFiniteError: first non-finite input[0] in data step 17: Sequential (root) (1 nan of 192)"
     assert cell_text(named_cell(nb, "summary")).startswith("data '' None None 17")
     text = cell_text(named_cell(nb, "text"))
-    assert "(row 5) -> verified: the step came out finite" in text
+    assert "(row 5) -> verified through the model only: its forward and a stand-in backward came out finite" in text
     assert "it is stored in the dataset itself, at index 549 (dataset[549] shows it)" in text
     assert cell_text(named_cell(nb, "rerun")).replace("\n", "").startswith("done 62 ")

@@ -149,9 +149,12 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
     # (A forward replayed alone proves the call's output finite, not a step the trial never ran.)
     parts = ["verified: the call's output came out finite" if trial.fact("backward_from") == "no-grad"
              else "verified: the call's output and its step's loss came out finite"
-             if trial.fact("backward_from") == "no-grad-loss" else "verified: the step came out finite"]
+             if trial.fact("backward_from") == "no-grad-loss"
+             else "verified through the model only: its forward and a stand-in backward came out finite"
+             if model_only(trial) else "verified: the step came out finite"]
     if trial.fact("off_scale"):  # (finite is not fixed: scale_check.py)
-        parts[0] = parts[0].replace("verified: ", "finite but off the healthy scale, not verified as a fix: ")
+        parts[0] = parts[0].replace("verified through the model only: ", "verified: ").replace(
+            "verified: ", "finite but off the healthy scale, not verified as a fix: ")
     if trial.loss is not None:
         last = " (the last step's loss code and targets on this step's outputs)"
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")
@@ -215,8 +218,15 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
     return lines
 
 
+def model_only(trial: FixTrial) -> bool:
+    """A finite trial with no loss, whose backward started from ones standing for it: the model's forward and that
+    backward came out finite, not the step with its own loss (a loss code that reads the outputs may still go NaN)."""
+    return trial.finite and trial.loss is None and trial.fact("backward_from") == "ones"
+
+
 def fixes_title(report: Report) -> str:
     verified = sum(1 for trial in report.fixes if trial.finite and not trial.fact("off_scale"))
+    through_model = sum(1 for trial in report.fixes if model_only(trial) and not trial.fact("off_scale"))
     off = sum(1 for trial in report.fixes if trial.finite and trial.fact("off_scale"))
     # (a later model call's event, a micro-batch's, a siamese pair's 2nd or another model's: the trials replay that
     # call alone, and step on its gradients alone)
@@ -225,6 +235,7 @@ def fixes_title(report: Report) -> str:
     skipped = "the step's other model calls were not replayed; " if later else ""
     return (f"Fixes tried on a replay of step {report.step}{alone} ({skipped}on copies: your model, optimizer and "
             f"data are untouched): {verified} of {len(report.fixes)} verified"
+            f"{f' ({through_model} through the model only: no loss of its own computed)' if through_model else ''}"
             f"{f', {off} finite but off the healthy scale' if off else ''}")
 
 
