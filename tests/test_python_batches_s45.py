@@ -114,3 +114,37 @@ def test_only_a_list_of_numbers_holding_one_not_finite_is_made_a_tensor() -> Non
 def test_skip_batch_says_a_list_of_numbers_cannot_be_cut(mode: str) -> None:
     report = _report(FromRows(), lambda model: model(NAN_ROWS), MODES[mode])
     assert "entered the model in a numpy array, a list of Python numbers" in report.to_text()
+
+
+class Graph:
+    """A batch object of the user's class (a graph library's ``Data``): its tensors are its attributes."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+class FromGraph(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+
+    def forward(self, data: Graph) -> torch.Tensor:
+        return self.fc(data.x)
+
+
+@pytest.mark.parametrize("mode", ["default", "defer"])
+@pytest.mark.parametrize("kind", ["list", "numpy", "object"])
+def test_the_layer_table_names_the_batch_the_producer_and_the_models_output_propagated(mode: str, kind: str) -> None:
+    """The model call consumed the batch it was given however it came (an object's attribute, an array, rows of
+    numbers): its output propagated the NaN, as for a tensor batch (was 'producer' twice: the call's output too)."""
+    model: nn.Module
+    if kind == "object":
+        model, call = FromGraph(), (lambda m: m(Graph(torch.tensor(NAN_ROWS, dtype=torch.float32))))
+    else:
+        batch = NAN_ROWS if kind == "list" else np.array(NAN_ROWS)
+        model, call = FromRows(), (lambda m: m(batch))
+    report = _report(model, call, MODES[mode])
+    rows = {(layer.phase.value, layer.tensor.path if layer.tensor else None): layer.status for layer in report.layers
+            if layer.module == ""}
+    assert rows[("data", report.tensor.path)] == "producer"
+    assert rows[("forward", "output")] == "propagated", rows

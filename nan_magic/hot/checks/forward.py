@@ -344,9 +344,11 @@ class ForwardChecks:
         if not tensors:
             return
         log = self.watch.log
-        if prefix == "kwargs" and consumer is not None:
-            # What _note_inputs left out of the call's inputs (an object's tensors, a numpy array's): the deferred
-            # check looks for the keyword batch among them (localize/producer.py's _keyword_data_first).
+        if consumer is not None and (prefix == "kwargs" or (checkable is None and len(tensors) > len(consumer.inputs))):
+            # What _note_inputs left out of the call's inputs (an object's tensors, a numpy array's, a list of numbers
+            # made a tensor): the call consumed them, as a tensor batch (its output propagated their NaN, it did not
+            # produce it: the layer table's status); the deferred check looks for the keyword batch among them
+            # (localize/producer.py's _keyword_data_first). (Compared by count first: ``model(x, mask)`` notes none.)
             noted = {input_path for input_path, *_rest in consumer.inputs}
             for path, argument, tensor in tensors:
                 if path not in noted:
