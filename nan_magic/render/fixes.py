@@ -221,7 +221,7 @@ def fix_lines(report: Report) -> list[tuple[FixTrial, str, str | None]]:
 def model_only(trial: FixTrial) -> bool:
     """A finite trial with no loss, whose backward started from ones standing for it: the model's forward and that
     backward came out finite, not the step with its own loss (a loss code that reads the outputs may still go NaN)."""
-    return trial.finite and trial.loss is None and trial.fact("backward_from") == "ones"
+    return bool(trial.finite) and trial.loss is None and trial.fact("backward_from") == "ones"
 
 
 def fixes_title(report: Report) -> str:
