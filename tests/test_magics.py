@@ -623,3 +623,24 @@ def test_targets_separated_by_commas_are_the_same_targets(ip, ns) -> None:
     ns["grid"] = {(0, 1): ns["model"]}
     result, _ = run(ip, "%%nantrace grid[0,1] opt\nsteps_run = 5")
     assert result.error_in_exec is None and ns["steps_run"] == 5
+
+
+def test_nanwatch_on_again_while_on_says_it_starts_a_new_run(ip, ns) -> None:
+    """A setup cell holding ``%nanwatch on`` run again (its model made anew, maybe): a new run, whose steps count
+    from 0, as after off and on; the line says so, so a step number is not read against the old count."""
+    ip.run_cell(SPLIT_SETUP)
+    _, first = run(ip, "%nanwatch on")
+    assert "it was on" not in first.stdout
+    for _ in range(3):
+        run(ip, SPLIT_FORWARD)
+        run(ip, SPLIT_STEP)
+    _, again = run(ip, "%nanwatch on")
+    said = again.stdout.strip()
+    assert said.endswith("until %nanwatch off; it was on: a new run, its steps counted from 0"), said
+    ns["i"] = 5  # (the forward's NaN iteration)
+    result, _ = run(ip, SPLIT_FORWARD)
+    assert result.error_in_exec is not None and ns["_nan_report"].step == 0
+    run(ip, "%nanwatch off")
+    _, after_off = run(ip, "%nanwatch on")
+    assert "it was on" not in after_off.stdout
+    run(ip, "%nanwatch off")

@@ -199,8 +199,11 @@ class NanMagics(HeldWatchMagics):
         args = self._parse(self.nanwatch, rest, "%nanwatch")
         watch = self._make_watch(args, "%nanwatch")
         if persistent:
+            # (On again while on, the setup cell run again, say: a new run, as after off and on, whose steps count
+            # from 0; the model it made may be new too. Said, so a step number is not read against the old count.)
+            again = "; it was on: a new run, its steps counted from 0" if self._persistent is not None else ""
             self._persistent = (rest, args, None)
-            print(f"nan_magic: watching every cell ({self._describe(watch, args.defer)}) until %nanwatch off")
+            print(f"nan_magic: watching every cell ({self._describe(watch, args.defer)}) until %nanwatch off{again}")
             if self._in_cell and self._held is None:
                 # The rest of this cell too, as ``%nanwatch`` watches the rest of its cell: a user who puts
                 # ``%nanwatch on model`` above the training loop means that loop (it ran unwatched).
