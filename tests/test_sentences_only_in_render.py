@@ -37,6 +37,8 @@ _ALLOWED: dict[tuple[str, str], str] = {
     ("ipython/magics.py", "NanMagics._turn_off"): "the magic's status line, printed as the user turns the watch off",
     ("ipython/magics.py", "NanMagics._describe"): "the magic's status line: how the watch is set up",
     ("ipython/magics.py", "NanMagics._status"): "the magic's status line: whether a watch is on",
+    ("ipython/magics.py", "NanMagics.nanwatch"): "the magic's status line, printed as the user turns the watch on "
+                                                 "again while it is on",
     ("ipython/magics.py", "_with_the_options"): "the magics' usage error, argparse's message said plainly",
     ("errors/frames.py", "short_traceback"): "the last line of the short traceback IPython shows for the "
                                              "exception (its _render_traceback_)",
