@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from contract.hunt_s44e import LRUCache as HuntLRUCache
 from torch import nn
 
 import nan_magic
@@ -24,29 +25,18 @@ MODES: dict[str, dict[str, Any]] = {"default": {}, "defer": {"defer": True}, "fu
                                     "ops": {"ops": True}, "ops-defer": {"ops": True, "defer": True}}
 
 
-class LRUCache(collections.abc.MutableMapping):  # type: ignore[type-arg]
-    """A least-recently-used cache as people write one: a read moves its key to the end."""
+class LRUCache(HuntLRUCache):
+    """hunt_s44e's least-recently-used cache (a read moves its key to the end), made with its items, counting its
+    reads."""
 
     def __init__(self, **items: torch.Tensor) -> None:
-        self._order: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict(items)
+        super().__init__()
+        self._order.update(items)
         self.reads = 0
 
     def __getitem__(self, key: str) -> torch.Tensor:
         self.reads += 1
-        self._order.move_to_end(key)
-        return self._order[key]
-
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        self._order[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._order[key]
-
-    def __iter__(self) -> Any:
-        return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
+        return super().__getitem__(key)
 
 
 class CountingDict(dict):  # type: ignore[type-arg]

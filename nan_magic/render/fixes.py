@@ -147,14 +147,13 @@ def _outcome(trial: FixTrial, made: str = "NaN") -> str:
                     "call's forward non-finite (the remedied line's gradient is too large to train on)")
         return f"still non-finite ({trial.failed or 'the step'})"
     # (A forward replayed alone proves the call's output finite, not a step the trial never ran.)
-    parts = ["verified: the call's output came out finite" if trial.fact("backward_from") == "no-grad"
-             else "verified: the call's output and its step's loss came out finite"
-             if trial.fact("backward_from") == "no-grad-loss"
-             else "verified through the model only: its forward and a stand-in backward came out finite"
-             if model_only(trial) else "verified: the step came out finite"]
-    if trial.fact("off_scale"):  # (finite is not fixed: scale_check.py)
-        parts[0] = parts[0].replace("verified through the model only: ", "verified: ").replace(
-            "verified: ", "finite but off the healthy scale, not verified as a fix: ")
+    backward_from, stand_in = trial.fact("backward_from"), model_only(trial)
+    what = ("the call's output came out finite" if backward_from == "no-grad"
+            else "the call's output and its step's loss came out finite" if backward_from == "no-grad-loss"
+            else "its forward and a stand-in backward came out finite" if stand_in else "the step came out finite")
+    verdict = ("finite but off the healthy scale, not verified as a fix" if trial.fact("off_scale")  # (scale_check.py)
+               else "verified through the model only" if stand_in else "verified")
+    parts = [f"{verdict}: {what}"]
     if trial.loss is not None:
         last = " (the last step's loss code and targets on this step's outputs)"
         parts.append(f"loss {fmt(trial.loss)}{last if trial.fact('loss_from') == 'last loss code' else ''}")

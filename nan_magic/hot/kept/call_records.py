@@ -123,19 +123,19 @@ def array_values(
         if type(value) is torch.Tensor:  # (the usual argument: no array in it)
             continue
         path = f"{prefix}[{argument!r}]"  # (argument_path, inlined: every top-level call's arguments)
-        if type(value) is list or type(value) is tuple:
-            if value and (numbers := unfinite_numbers(value)) is not None:
-                found.append((path, argument, numbers))
-                continue
-            items = [(f"{path}[{index}]", item) for index, item in enumerate(value)
-                     if numpy is not None and isinstance(item, numpy.ndarray)]
+        is_sequence = type(value) is list or type(value) is tuple
+        if is_sequence and value and (numbers := unfinite_numbers(value)) is not None:
+            found.append((path, argument, numbers))
+            continue
+        if numpy is None:
+            continue
+        if is_sequence:
+            items = [(f"{path}[{index}]", item) for index, item in enumerate(value) if isinstance(item, numpy.ndarray)]
         elif isinstance(value, dict):  # (dict.items and key_text: a dict subclass's items(), a key's __repr__: code)
             items = [(f"{path}[{key!r}]" if type(key) is str else f"{path}[{key_text(key)}]", item)
                      for key, item in dict.items(value)]
         else:
             items = [(path, value)]
-        if numpy is None:
-            continue
         for item_path, item in items:
             # A read-only array (a memory-mapped file's) would make torch warn: it is left unread.
             if (isinstance(item, numpy.ndarray) and item.dtype.kind == "f" and item.dtype.itemsize in (2, 4, 8)
