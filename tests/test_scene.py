@@ -549,11 +549,12 @@ def test_deferred_mode_keeps_a_finite_step_too() -> None:
     kept: list[tuple[dict[str, Any], dict[str, Any]]] = []
     report = raised(lambda: train(model, opt, bad_step=5, kept=kept), model, opt, keep_last_good="cpu", defer=True)
     assert (report.phase, report.step) == ("forward", 5)
-    # Step 4's result is read at step 5's check, which stops at the event
-    # first: the state kept is the one after step 3.
-    assert "after step 3" in " ".join(report.notes)
+    # Step 4's result is read at step 5's check, after step 5's forward ran: its state was copied right after it,
+    # and kept as the check found it finite, before the event: the state after step 4, as the immediate mode keeps.
+    # (session 46; before, the check stopped at the event first and kept the state after step 3)
+    assert "after step 4" in " ".join(report.notes)
     report.restore()
-    assert same_bits(model.state_dict(), kept[3][0]) and same_bits(opt.state_dict(), kept[3][1])
+    assert same_bits(model.state_dict(), kept[4][0]) and same_bits(opt.state_dict(), kept[4][1])
 
 
 def test_a_deferred_scene_holds_the_producers_inputs_recomputed_after_backward(tmp_path) -> None:

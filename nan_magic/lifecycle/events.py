@@ -70,6 +70,9 @@ class EventContext:
     skipped: Counter[str]
     #: The norm layers' running statistics the step has already made non-finite (explain/norm_stats.py).
     nonfinite_stats: Callable[[], tuple[str, ...]] = tuple
+    #: Keep the state copied right after the last step whose deferred check is still to come, where it is finite
+    #: (scene/last_good.py): before the trials and the roll-back read it.
+    settle_last_good: Callable[[], None] = lambda: None
 
 
 class Events:
@@ -121,6 +124,8 @@ class Events:
             return  # this rank's first event waits for the next agreement point (agreement.py)
         if not finding.benign and finding.op is None and self.context.traced() and finding is not self.held.released:
             return  # the op tracer already reported this step's producer, at its op (not a held batch's)
+        if not finding.benign and self.report is None:
+            self.context.settle_last_good()
         if replayed is None:
             report = self.context.build(finding)
             if not finding.benign:

@@ -398,6 +398,7 @@ class Watch(WatchEvents):
             lockstep=self.lockstep.in_step,
             skipped=self.skipped,
             nonfinite_stats=lambda: nonfinite_norm_stats(self.targets.roots),
+            settle_last_good=self.optimizers.settle_last_good,
         ), held, alone=self.replay_of is not None)
         self.update_code = LoopWrites(self.config.kinds, self._named_parameters,
                                       self.optimizers.reports.attribute, self.emit, lambda: self.step,
@@ -476,6 +477,10 @@ class Watch(WatchEvents):
     def on_finite_step(self) -> None:
         """An optimizer step ended with finite parameters (hook for the roll-back snapshot)."""
         self.last_good.capture(self.targets.roots, self.optimizers.seen, self.step, right_after=self.optimizers.in_step)
+
+    def on_step_to_judge(self) -> None:
+        """An optimizer step whose result the next check judges (deferred): its state copied now, kept if finite."""
+        self.last_good.stage(self.targets.roots, self.optimizers.seen, self.step)
 
     def _nested(self, model: nn.Module, label: str | None, config: WatchConfig) -> Watch:
         """The full watch a step replay runs ``model`` under (replay/tiered/step.py): a watch like any other."""

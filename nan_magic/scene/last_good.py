@@ -21,6 +21,16 @@ that diverged is remedied by redoing its last update, fixes/remedies/diverged.py
 the buffers are swapped, not copied, so a step still makes one copy, and
 the models' state takes twice the memory (the optimizers' state once).
 
+In the deferred mode a step's result is judged at the next step's check,
+after that step's forward has run (a batch norm's running statistics
+already moved) and after the loop's code between the steps: the state is
+copied right after the step all the same (:meth:`LastGood.stage`, the RNG
+with it), and kept once the check finds the step finite
+(:meth:`LastGood.promote`), before it judges the new step's calls. So an
+event in the step after it rolls back to the step right before, as the
+immediate mode does; the copy waiting for its check costs one more copy of
+the models' and optimizers' state.
+
 The registry holds the kept state strongly (the models and optimizers only
 weakly) for the :data:`KEPT_REPORTS` most recent reports of this process;
 older ones are released, and ``restore()`` on them says so.
@@ -92,6 +102,9 @@ class LastGood:
         #: The models' kept state one capture earlier (id -> weak reference, state), and its step.
         self._before: dict[int, tuple[weakref.ref[nn.Module], dict[str, Any]]] = {}
         self._before_step: int | None = None
+        #: The state copied right after a step whose check is still to come (deferred), and buffers to reuse.
+        self._staged: _Kept | None = None
+        self._spare = _Kept()
 
     @property
     def step(self) -> int | None:
@@ -126,10 +139,10 @@ class LastGood:
         """Copy the watched models' and optimizers' state after a step that ended finite.
 
         Called by the watch after each optimizer step whose parameters and
-        state it found finite: right after the step, or in deferred mode at
-        the next step's check (the parameters have not changed since; the
-        RNG has, so none is kept then): ``right_after`` says which. ``step``
-        is the watch's step counter.
+        state it found finite: right after the step, or at the watch's end
+        (the RNG has moved on then, so none is kept): ``right_after`` says
+        which. ``step`` is the watch's step counter. (A deferred step's
+        result is staged and promoted instead.)
         """
         if self.where is None:
             return
@@ -154,6 +167,38 @@ class LastGood:
         self._before_step, kept.step = kept.step, step - 1
         kept.rng = capture_rng_state() if right_after else None
 
+    def stage(
+        self, roots: Iterable[tuple[str | None, nn.Module]], optimizers: Iterable[torch.optim.Optimizer], step: int
+    ) -> None:
+        """Copy the state right after a step whose result the next step's check judges (deferred): :meth:`promote`
+        keeps it once the check finds the step finite. ``step`` is the watch's counter, as for :meth:`capture`."""
+        if self.where is None:
+            return
+        spare, self._spare, staged = self._spare, _Kept(), _Kept()
+        with torch.no_grad():
+            for _label, module in roots:
+                _, old = spare.models.get(id(module), (None, None))
+                staged.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), self.where))
+            for optimizer in optimizers:
+                _, old = spare.optimizers.get(id(optimizer), (None, None))
+                staged.optimizers[id(optimizer)] = (
+                    weakref.ref(optimizer), _copy_state(old, optimizer.state_dict(), self.where))
+        staged.step, staged.rng = step - 1, capture_rng_state()
+        if self._staged is not None:  # (never judged: a watch that went on past an event) its buffers reused
+            self._spare = self._staged
+        self._staged = staged
+
+    def promote(self) -> None:
+        """The staged step was judged finite: keep its copy as the last good state (the kept models' as the one
+        before it); the buffers let go are reused by the next :meth:`stage`."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        kept = self._kept
+        self._spare = _Kept(models=self._before, optimizers=kept.optimizers)
+        self._before, self._before_step = dict(kept.models), kept.step
+        self._kept = staged
+
     def hand_over(self) -> _Kept:
         """Give up the kept state (to the registry); later captures start afresh.
 
@@ -161,7 +206,7 @@ class LastGood:
         steps must not overwrite what the event's ``restore()`` puts back.
         """
         kept, self._kept = self._kept, _Kept()
-        self._before, self._before_step = {}, None
+        self._before, self._before_step, self._staged = {}, None, None
         return kept
 
 

@@ -238,19 +238,15 @@ class OptimizerChecks:
         carried, self.carried = self.carried, None
         carried_norms = carried.norms if carried else []
 
-        finite: list[bool] = []
-
         def judge_carried(values: list[float]) -> None:
-            # The previous step's result first: the forward since read what it made non-finite.
-            if carried is not None:
-                finite.append(not self.reports.step_result(carried, values[: len(carried_norms)], next_check=True,
-                                                           stepping=opt))
+            # The previous step's result first: the forward since read what it made non-finite. Found finite, the
+            # state copied right after it is the last good one, before this step's calls are judged (an event in
+            # them rolls back to the step right before, as in the immediate mode).
+            if carried is not None and not self.reports.step_result(carried, values[: len(carried_norms)],
+                                                                     next_check=True, stepping=opt):
+                watch.last_good.promote()
 
         values = watch.cycle.sync(carried_norms + grad_norms + running, judge_carried)
-        if finite and finite[0]:
-            # Kept as the last good state only once this step's calls are judged finite too: the loop may have
-            # written the parameters since (a hand edit before the forward that then failed).
-            watch.on_finite_step()
         # (No len() where none is carried: most steps.)
         grad_values = values[len(carried_norms) :] if carried_norms else values[:]
         if running:  # this step's forward wrote them, before its backward made the gradients: judged first
@@ -316,6 +312,8 @@ class OptimizerChecks:
                 # callable, no Python call a step.
                 result.lrs = list(map(_GROUP_LR, opt.param_groups))
                 self.carried = result
+                if watch.last_good.where is not None:  # (copied as it is now, kept once the check finds it finite)
+                    watch.on_step_to_judge()
             elif not self.reports.step_result(result, _read_step_result(result)):
                 watch.on_finite_step()
         finally:
@@ -324,6 +322,15 @@ class OptimizerChecks:
             watch.cycle.end_step(step)
             if held is not None:  # (a held loss the step ran after: not the scaler's overflow; none on most steps)
                 watch.on_step_ran(held)
+
+    def settle_last_good(self) -> None:
+        """At the first real event: the last step's result, still carried to the next check (deferred), is read
+        now; finite, the state copied right after that step is the last good one (an event found before the check,
+        a loop's write into a parameter at the next model call, rolls back to it, as the immediate mode does)."""
+        carried = self.carried
+        if carried is not None and self.watch.last_good.where is not None and all(
+                map(math.isfinite, read_scalars(carried.norms))):
+            self.watch.last_good.promote()
 
     @property
     def steps(self) -> int:
@@ -377,7 +384,7 @@ class OptimizerChecks:
         """
         carried, self.carried = self.carried, None
         if carried is not None and not self.reports.step_result(carried, _read_step_result(carried), left=True):
-            self.watch.on_finite_step()
+            self.watch.last_good.promote()
         unchecked, self._unchecked = self._unchecked, {}
         for opt, step in unchecked.values():
             result = self._step_result(opt, step, True)
