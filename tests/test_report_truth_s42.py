@@ -352,7 +352,10 @@ def test_an_eps_that_keeps_the_step_in_scale_is_still_verified() -> None:
     assert (report.op, report.step) == ("aten.log.default", 2)
     trial = next(trial for trial in report.fixes if trial.kind == "eps")
     assert trial.finite is True and trial.fact("off_scale") is None
-    assert "-> verified through the model only: its forward and a stand-in backward came out finite" in report.to_text()
+    text = report.to_text()
+    assert "-> verified through the model only: its forward and a stand-in backward came out finite" in text
+    # (session 46: the title no longer counts it among the verified: the step with its own loss never ran)
+    assert ": 0 of 2 verified, 1 through the model only (no loss of its own computed)" in text
 
 
 def test_a_remedy_off_scale_is_ranked_below_one_finite_and_in_scale() -> None:
@@ -365,6 +368,16 @@ def test_a_remedy_off_scale_is_ranked_below_one_finite_and_in_scale() -> None:
     failed = FixTrial("stable", finite=False)
     assert [trial.kind for trial in verified_first([off, failed, hidden, fixed])] == [
         "float32", "mask", "eps", "stable"]
+
+
+def test_a_remedy_finite_through_the_model_only_is_ranked_below_one_verified_on_the_whole_step() -> None:
+    from nan_magic.fixes.trial_facts import verified_first
+    from nan_magic.records import FixTrial
+
+    stand_in = FixTrial("eps", finite=True, facts=(("backward_from", "ones"),))
+    whole = FixTrial("clamp", finite=True, loss=0.7)
+    failed = FixTrial("stable", finite=False)
+    assert [trial.kind for trial in verified_first([stand_in, failed, whole])] == ["clamp", "eps", "stable"]
 
 
 def test_a_tenth_of_a_rate_too_high_that_leaves_a_huge_update_is_not_verified() -> None:

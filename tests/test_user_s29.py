@@ -91,11 +91,12 @@ def test_a_data_rows_verified_fix_says_it_was_the_failing_step_that_stopped(ip) 
     report = ip.user_ns["_nan_report"]
     assert (report.phase.value, report.module, report.step) == ("data", "", 17)
     (line,) = [line for line in report.to_text().splitlines() if line.startswith("  skip-batch: ")]
-    # (session 45: a backward from ones stood in for the loss: verified through the model only, as the title counts)
+    # (session 45: a backward from ones stood in for the loss: verified through the model only; session 46: a tally
+    # of its own in the title)
     assert ("(row 5) -> verified through the model only: its forward and a stand-in backward came out finite, no loss: "
             "the failing step stopped before its loss code ran (the backward started from ones into the model's "
             "outputs)") in line, line
-    assert "1 of 1 verified (1 through the model only: no loss of its own computed)" in report.to_text()
+    assert "0 of 1 verified, 1 through the model only (no loss of its own computed)" in report.to_text()
 
 
 GAN = """\

@@ -36,7 +36,9 @@ def test_the_vit_widget_shows_the_verified_max_subtracted_exp(lab: LabServer, pa
     headline = widget.locator(".nm-headline").first.inner_text()
     assert f"in forward step {step}: {module} (Attention)" in headline, (truth, headline)
     fixes = widget.locator(".nm-fixes").first.inner_text()
-    assert "1 of 2 verified" in fixes and "max-subtracted" in fixes and "does not cancel" not in fixes, fixes
+    # (the forward event stops before the loss code: verified through the model only, its own tally since session 46)
+    assert "0 of 2 verified, 1 through the model only" in fixes and "max-subtracted" in fixes, fixes
+    assert "does not cancel" not in fixes, fixes
     widget.screenshot(path=str(ARTIFACTS / "user_s31_vit_summary.png"))
     widget.locator(".lm-TabBar-tab", has_text="Histograms").first.click()
     image = widget.locator(".jp-OutputArea img").first

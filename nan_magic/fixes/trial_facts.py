@@ -129,7 +129,9 @@ def output_change(base: StepOutcome, outcome: StepOutcome) -> float | None:
 
 def verified_first(trials: Iterable[FixTrial]) -> tuple[FixTrial, ...]:
     """The trials in the order shown: finite ones first, and of those, ones that hid the NaN (moved_all, no gradient,
-    a quotient over eps) after the rest, and ones off the healthy scale (scale_check.py) after those."""
+    a quotient over eps) after the rest, and ones off the healthy scale (scale_check.py) after those; in each, a
+    trial whose backward stood in for a loss never computed (finite through the model only) after one whole step."""
     order = {True: 0, False: 1, None: 2}
     return tuple(sorted(trials, key=lambda trial: (order[trial.finite], bool(trial.fact("moved_all") or trial.fact(
-        "no_gradient") or trial.fact("over_eps")) + 2 * bool(trial.fact("off_scale")))))
+        "no_gradient") or trial.fact("over_eps")) + 2 * bool(trial.fact("off_scale")), bool(
+        trial.finite and trial.loss is None and trial.fact("backward_from") == "ones"))))

@@ -224,8 +224,9 @@ def model_only(trial: FixTrial) -> bool:
 
 
 def fixes_title(report: Report) -> str:
-    verified = sum(1 for trial in report.fixes if trial.finite and not trial.fact("off_scale"))
+    # (A trial verified through the model only is a tally of its own: the step with its loss was never run.)
     through_model = sum(1 for trial in report.fixes if model_only(trial) and not trial.fact("off_scale"))
+    verified = sum(1 for trial in report.fixes if trial.finite and not trial.fact("off_scale")) - through_model
     off = sum(1 for trial in report.fixes if trial.finite and trial.fact("off_scale"))
     # (a later model call's event, a micro-batch's, a siamese pair's 2nd or another model's: the trials replay that
     # call alone, and step on its gradients alone)
@@ -234,7 +235,7 @@ def fixes_title(report: Report) -> str:
     skipped = "the step's other model calls were not replayed; " if later else ""
     return (f"Fixes tried on a replay of step {report.step}{alone} ({skipped}on copies: your model, optimizer and "
             f"data are untouched): {verified} of {len(report.fixes)} verified"
-            f"{f' ({through_model} through the model only: no loss of its own computed)' if through_model else ''}"
+            f"{f', {through_model} through the model only (no loss of its own computed)' if through_model else ''}"
             f"{f', {off} finite but off the healthy scale' if off else ''}")
 
 
