@@ -260,6 +260,8 @@ def _given_a_number(report: Report) -> Cause | None:
 
 
 def _backward(report: Report) -> Cause:
+    if report.op in _LIFTS and (given := _given_a_number(report)) is not None:
+        return given  # the code wrote a number into the gradient (``p.grad[0, 0] = inf``): that number made it
     node = report.autograd_node
     pole = _POLES.get(node_function(node)) if node else None
     if pole is not None:

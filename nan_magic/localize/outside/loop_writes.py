@@ -293,7 +293,7 @@ class LoopWrites:
             return None
         if recorder._ring:
             recorder._record_ring()
-        found = recorder.claim(gradient)
+        found = recorder.claim(gradient, written=True)  # (or a number the code wrote in, ``g[0, 0] = inf``: its lift)
         # (Not found by the tensor itself: a write through ``.data``, a foreach op's: by its memory.)
         return found if found is not None else recorder.claim_written(gradient)
 
