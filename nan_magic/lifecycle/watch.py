@@ -406,6 +406,7 @@ class Watch(WatchEvents):
         self.origins.written_gradient = self.update_code.claim_gradient
         self.origins.lr_source = self.update_code.name_lr
         rule.assigned = self.update_code.claim_assigned  # (a parameter the loop assigned: outside/assigned.py)
+        rule.unchecked_step = self.optimizers.check_unchecked_of  # (a bounded step's skipped check: optim.py)
         self.cycle: StepCycle = StepCycle(
             self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,

@@ -73,6 +73,9 @@ class ProducerRule(CallInputs):
         #: The finding of the loop's code that assigned a parameter a forward read non-finite (``p.data = v``), by
         #: the op that made its memory (LoopWrites.claim_assigned), or None; asked at that event only.
         self.assigned: Callable[[str, torch.Tensor], Finding | None] | None = None
+        #: Report the optimizer step that left a parameter a forward read non-finite, where its check was skipped as
+        #: bounded (OptimizerChecks.check_unchecked_of); True where it did. Asked at that event only.
+        self.unchecked_step: Callable[[torch.Tensor], bool] | None = None
         self.stack = stack
         #: The step's non-finite batch, held until the step shows whether the program handled it (held_batch.py).
         self.held = held
@@ -194,6 +197,8 @@ class ProducerRule(CallInputs):
             assigned = self.assigned(name, parameter) if self.assigned is not None and name is not None else None
             if assigned is not None:
                 finding = assigned
+            elif self.unchecked_step is not None and self.unchecked_step(parameter):
+                return False  # the step that made it is the event (its state was non-finite before it)
             else:
                 finding = Finding(Phase.FORWARD, call, ref, bad=parameter.detach(), record=record, inputs=inputs)
                 finding.notes.append(Note.of("already-bad", name=name, module=call.name))

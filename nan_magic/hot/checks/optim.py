@@ -323,6 +323,17 @@ class OptimizerChecks:
             if held is not None:  # (a held loss the step ran after: not the scaler's overflow; none on most steps)
                 watch.on_step_ran(held)
 
+    def check_unchecked_of(self, parameter: torch.Tensor) -> bool:
+        """A forward read ``parameter`` non-finite: the parameter check skipped after a bounded step of an optimizer
+        that holds it (step_layout.py) runs now, and reports that step where it left it so (its state non-finite
+        before it, written by the loop or loaded); True where it reported. At that event only."""
+        for key, (opt, step) in list(self._unchecked.items()):
+            if any(held is parameter for group in opt.param_groups for held in group["params"]):
+                del self._unchecked[key]
+                result = self._step_result(opt, step, True)
+                return self.reports.step_result(result, _read_step_result(result))
+        return False
+
     def settle_last_good(self) -> None:
         """At the first real event: the last step's result, still carried to the next check (deferred), is read
         now; finite, the state copied right after that step is the last good one (an event found before the check,
