@@ -138,11 +138,11 @@ class LastGood:
     ) -> None:
         """Copy the watched models' and optimizers' state after a step that ended finite.
 
-        Called by the watch after each optimizer step whose parameters and
-        state it found finite: right after the step, or at the watch's end
-        (the RNG has moved on then, so none is kept): ``right_after`` says
-        which. ``step`` is the watch's step counter. (A deferred step's
-        result is staged and promoted instead.)
+        Called by the watch right after each optimizer step whose parameters
+        and state it found finite at once (a deferred step's result is
+        staged and promoted instead); ``right_after`` False: taken later, the
+        RNG has moved on, so none is kept. ``step`` is the watch's step
+        counter.
         """
         if self.where is None:
             return
