@@ -164,3 +164,22 @@ def test_a_question_mark_count_is_said_and_not_called_a_tensor_without_finite_va
     legend = _legend(report)
     assert "a ? count is a kind the tensor held, not counted: it was freed before the report was built" in legend
     assert "held no finite value" not in legend
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_collapsing_scaler_s_note_does_not_deny_the_activation_gradient_the_report_names(mode: str) -> None:
+    """A GradScaler collapsing on a head whose backward overflows float16 inside the model: the step's checks saw
+    only parameter gradients overflow (the gradient into the model's outputs was finite), and the replay names the
+    gradient into ``1.proj``'s output, an activation gradient, with 517 +inf. The note said "the activation gradients
+    stayed finite" two lines from it; it says what the checks saw."""
+    case = next(case for case in all_cases() if case.name == "grad_scaler_collapse_inside_the_model")
+    scenario = case.build()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODES[mode],
+                                                                            **scenario.options):
+        scenario.run()
+    report = caught.value.report
+    assert (report.phase, report.module, str(report.tensor)) == ("backward", "1", "grad of 1.proj output")
+    assert report.posinf > 0
+    assert ("the step's checks saw a parameter gradient overflow while the gradients into the model's outputs stayed "
+            "finite") in report.notes
+    assert not any("activation gradients stayed finite" in note for note in report.notes)
