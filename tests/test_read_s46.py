@@ -183,3 +183,25 @@ def test_a_collapsing_scaler_s_note_does_not_deny_the_activation_gradient_the_re
     assert ("the step's checks saw a parameter gradient overflow while the gradients into the model's outputs stayed "
             "finite") in report.notes
     assert not any("activation gradients stayed finite" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_data_report_s_target_that_reached_the_loss_is_not_called_a_module_output(mode: str) -> None:
+    """A dataset's ``log(duration)`` target of a zero-length event (phase data, the op in ``__getitem__``) reaches
+    the loss: the row says where it reached, "reached  loss ...", not "module out" (no module made or output it);
+    a module's output keeps its "module out" row."""
+    cases = {case.name: case for case in all_cases()}
+    scenario = cases["hunt25b_getitem_log_duration_target_of_a_zero_length_event"].build()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODES[mode],
+                                                                            **scenario.options):
+        scenario.run()
+    report = caught.value.report
+    assert (report.phase, report.module, report.op) == ("data", None, "aten.log.default")
+    lines = report.to_text().splitlines()
+    assert "  reached     loss of code outside any watched module: f32[] 1 +inf" in lines
+    assert not any(line.startswith("  module out") for line in lines)
+    scenario = cases["holdout_rmsnorm_without_eps_padding_row"].build()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODES[mode]):
+        scenario.run()
+    assert any(line.startswith("  module out  output of norm (RMSNorm): f32[4,5,8] 16 nan")
+               for line in caught.value.report.to_text().splitlines())

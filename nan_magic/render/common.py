@@ -284,7 +284,10 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
-        label = "swapped in" if stand_in_name(report, name) else "module out"
+        # Where the op's value reached a boundary: a module's output, or another (the loss a data report's target
+        # reached, a parameter), which "module out" misnamed.
+        label = "swapped in" if stand_in_name(report, name) else (
+            "module out" if name.role is TensorRole.MODULE_OUTPUT else "reached")
         read = None not in (stats.nan, stats.posinf, stats.neginf)
         rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}{'' if read else ', not counted'}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
