@@ -205,3 +205,70 @@ def test_a_data_report_s_target_that_reached_the_loss_is_not_called_a_module_out
         scenario.run()
     assert any(line.startswith("  module out  output of norm (RMSNorm): f32[4,5,8] 16 nan")
                for line in caught.value.report.to_text().splitlines())
+
+
+class KeywordSpotter(nn.Module):
+    """The log-energy of 16 frames of a clip, a small conv over them: a clip with 50 samples of 0 is a log of 0 in
+    the root's own code, which the conv spreads to 24 infinities of its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 16, 3)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        energy = torch.log(wave.unfold(-1, 50, 50).pow(2).mean(-1))
+        return self.head(F.relu(self.conv(energy.unsqueeze(1))).flatten(1))
+
+
+def _producer_row_counts(report: nan_magic.Report) -> tuple[object, ...]:
+    row = next(layer for layer in report.layers if layer.status == "producer")
+    assert row.stats is not None
+    return str(row.tensor), row.stats.nan, row.stats.posinf, row.stats.neginf
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_producer_row_of_a_root_s_own_op_is_the_op_s_output_not_the_child_s(mode: str) -> None:
+    """The producer row said "output of conv: 6 +inf, 18 -inf" under the headline "1 -inf of 128": it is the log's
+    own output now, and the conv's output that it reached is a propagated row of the same call."""
+    torch.manual_seed(0)
+    model = KeywordSpotter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    clips, labels = torch.randn(16, 800) * 0.1, torch.randint(0, 3, (16,))
+    clips[13, 400:450] = 0
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(model, opt, **MODES[mode]):
+        for it in range(2):
+            loss = F.cross_entropy(model(clips[it * 8:(it + 1) * 8]), labels[it * 8:(it + 1) * 8])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = caught.value.report
+    assert (report.module, report.op, report.step, report.counts) == ("", "aten.log.default", 1,
+                                                                      {"nan": 0, "+inf": 0, "-inf": 1})
+    assert _producer_row_counts(report) == ("output of aten.log.default", 0, 0, 1)
+    rows = {str(layer.tensor): layer.status for layer in report.layers if layer.module == ""}
+    assert rows["output of conv"] == "propagated"
+    producer_line = next(line for line in report.to_text().splitlines() if line.startswith(">"))
+    assert "output of aten.log.default" in producer_line and "8x16" in producer_line
+
+
+@pytest.mark.parametrize("name", ["holdout_kl_with_zero_targets", "loss_log_first_iteration_optimizer_not_passed",
+                                  "user_s34_beta_log_prob_of_a_target_at_one",
+                                  "holdout_scaler_custom_loss_log_one_minus_sigmoid",
+                                  "holdout_rmsnorm_without_eps_padding_row", "holdout_compiled_model_log"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_producer_row_holds_the_headline_s_tensor_or_its_module_s_output(name: str, mode: str) -> None:
+    """Loss code's op (its value reached the loss) and a module's op (its value reached the module's output): the
+    producer row is the op's output with the headline's counts where the value reached the loss; a module's own
+    output stays its producer row (the module made it)."""
+    scenario = next(case for case in all_cases() if case.name == name).build()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODES[mode],
+                                                                            **scenario.options):
+        scenario.run()
+    report = caught.value.report
+    tensor, *counts = _producer_row_counts(report)
+    if report.module is None:
+        assert (tensor, *counts) == (str(report.tensor), report.nan, report.posinf, report.neginf)
+        assert next(layer.status for layer in report.layers if str(layer.tensor) == "loss") == "propagated"
+    else:
+        assert tensor == "output"
