@@ -272,3 +272,20 @@ def test_every_producer_row_holds_the_headline_s_tensor_or_its_module_s_output(n
         assert next(layer.status for layer in report.layers if str(layer.tensor) == "loss") == "propagated"
     else:
         assert tensor == "output"
+
+
+@pytest.mark.parametrize("name", ["optimizer_huge_learning_rate", "optimizer_adam_fp16_eps_foreach"])
+@pytest.mark.parametrize("mode", MODES)
+def test_an_optimizer_replay_s_inputs_say_they_are_the_replay_s_where_they_are_shown(name: str, mode: str) -> None:
+    """An SGD step at lr 1e38: the inputs row "self (before): finite in [-1.829e+38, 2.409e+38]" read as the weights
+    before the step (they were about 0.5); they are a replay's, from the step's result. The inputs' line says so."""
+    scenario = next(case for case in all_cases() if case.name == name).build()
+    with pytest.raises(nan_magic.NonFiniteError) as caught, nan_magic.watch(*scenario.targets, **MODES[mode],
+                                                                            **scenario.options):
+        scenario.run()
+    report = caught.value.report
+    assert report.phase == "optimizer"
+    lines = report.to_text().splitlines()
+    assert ("  inputs      finite (numbers of a replay of the optimizer step, not the step's own: see its note)"
+            in lines)
+    assert any(line.strip().startswith("self") and "(before)" in line for line in lines)
