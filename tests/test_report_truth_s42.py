@@ -209,8 +209,12 @@ def test_numbers_not_measured_are_missing_never_nan_in_the_table_and_its_views(o
     # No cell of the DataFrame is a float NaN: a missing number is <NA> (a NaN tool's NaN reads as a finding).
     for column in table.columns:
         assert not any(isinstance(value, float) and math.isnan(value) for value in table[column].tolist()), column
+    # The producer row is the log's own output (the headline's counts); the loss it reached is propagated, a NaN
+    # scalar with no finite value to measure.
     producer = table[table["status"] == "producer"].iloc[0]
-    assert producer["tensor"] == "loss" and producer[numbers].isna().all()  # (no finite value to measure)
+    assert producer["tensor"] == "output of aten.log.default" and producer[numbers].notna().all()
+    loss = table[table["tensor"] == "loss"].iloc[0]
+    assert loss["status"] == "propagated" and loss[numbers].isna().all()  # (no finite value to measure)
     legend = table.attrs["legend"]
     assert "Empty cells are missing numbers (report.table's <NA>), not NaN values" in legend
     assert "empty where the tensor held no finite value to measure" in legend

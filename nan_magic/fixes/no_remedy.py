@@ -41,10 +41,23 @@ def none_fit(report: Report) -> Note | None:
     if any(note.kind == "lr-made-by-loop" for note in report.note_facts):  # (its op ran in the loop, not the step)
         return Note.of("fixes-update-code", op=report.op or "not named")
     if report.phase == Phase.OPTIMIZER:
-        return Note.of("fixes-optimizer-none", optimizer=report.optimizer or "optimizer", cause=cause)
+        return _loop_write_note(report) or Note.of("fixes-optimizer-none", optimizer=report.optimizer or "optimizer",
+                                                   cause=cause)
     if report.phase == Phase.DATA:
         return Note("fixes-batch-outside")
     return Note.of("fixes-none-fit", op=report.op or "not named")
+
+
+def _loop_write_note(report: Report) -> Note | None:
+    """Why no remedy was tried where the loop's own code, not an optimizer, wrote the parameter (an EMA teacher's
+    update, a renormalisation by hand: localize/outside/loop_writes.py's notes), else None. The optimizer's trials
+    (its learning rate, its eps) were never the remedy there, and saying they were contradicted the note above it."""
+    kinds = {note.kind for note in report.note_facts}
+    if "loop-wrote-after-step" in kinds:
+        return Note.of("fixes-after-step-code", op=report.op or "not named")
+    if "loop-wrote" in kinds:
+        return update_code_note(report)
+    return None
 
 
 def in_update_code(report: Report) -> bool:

@@ -19,7 +19,7 @@ from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.stats import sample_values, tensor_stats
 from nan_magic.hot.watched.targets import ModuleInfo
-from nan_magic.localize.replay.layer_rows import step_layers
+from nan_magic.localize.replay.layer_rows import step_layers, with_op_row
 from nan_magic.records import (
     EarlyWarning,
     Phase,
@@ -125,6 +125,7 @@ def build_report(
     if finding.record is not None:
         finding.record.status = "benign" if finding.benign else "producer"
     layers, dropped = step_layers(log, modules, max_layers, per_module)
+    layers = with_op_row(layers, finding.op, finding.tensor, stats, module_output)
     report = Report(
         phase=finding.phase,
         module=finding.module,
@@ -165,4 +166,5 @@ def build_report(
     if report.cause is None:
         report = dataclasses.replace(report, cause=diagnose(report))
     return report
+
 

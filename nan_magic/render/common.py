@@ -27,6 +27,7 @@ from nan_magic.render.words.causes.readings import cause_evidence, cause_hint, h
 from nan_magic.render.words.counted import as_written, counted, ordinal
 from nan_magic.render.words.message import UNCOUNTED, count_words, uncounted
 from nan_magic.render.words.operands import op_expression, operand_label, operand_names, written_line
+from nan_magic.render.words.optimizer_replay_words import replayed_inputs
 from nan_magic.tensor_refs import op_function
 
 __all__ = ["module_label"]  # re-exported: renderers spell modules through common
@@ -284,7 +285,9 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("first at", f"index {report.first_bad_index}"))
     if report.module_output is not None:
         name, stats = report.module_output
-        label = "swapped in" if stand_in_name(report, name) else "module out"
+        # Where the op's value reached a boundary: a module's output, or another ("module out" misnamed the loss).
+        label = "swapped in" if stand_in_name(report, name) else (
+            "module out" if name.role is TensorRole.MODULE_OUTPUT else "reached")
         read = None not in (stats.nan, stats.posinf, stats.neginf)
         rows.append((label, f"{module_value(report, name)}: {stats_phrase(stats)}{'' if read else ', not counted'}"))
     inputs = "finite" if report.inputs_finite else "already non-finite (another kind)"
@@ -303,7 +306,7 @@ def fact_rows(report: Report) -> list[tuple[str, str]]:
     # A data event with no op has no inputs that could be finite: the value itself came in (the evidence row
     # says so). One the loop's code computed ((raw - mean) / std) has its op, and the op its operands.
     if not report.unlocated and not (str(report.phase) == "data" and report.op is None):
-        rows.append(("inputs", inputs))
+        rows.append(("inputs", inputs + replayed_inputs(report)))
     names = operand_names(report.op, written_line(report), _tensor_operands(report))
     rows.extend(("", f"{operand_label(TensorRef(TensorRole.OPERAND, name), names)}: {value} (a Python number)")
                 for name, value in report.nonfinite_numbers)

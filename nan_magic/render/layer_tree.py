@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nan_magic.records import LayerCall, module_label
+from nan_magic.records import LayerCall, TensorStats, module_label
 from nan_magic.render.words.counted import counted
 
 __all__ = [
@@ -96,13 +96,30 @@ MOMENTS_NOTE = (
 )
 
 
+def _why_rangeless(stats: TensorStats) -> str:
+    """Why a measured row has no min and max: its kinds seen, not counted, by a probe of a tensor since freed
+    (``"uncounted"``); finite values counted, not ranged (``"counted"``); or ``"no finite value"``."""
+    if None in (stats.nan, stats.posinf, stats.neginf):
+        return "uncounted"
+    return "counted" if stats.nonfinite < stats.numel else "no finite value"
+
+
 def missing_note(layers: Sequence[LayerCall], moments: bool = True) -> str:
     """What an empty number cell of a measured row means (a row without numbers: :func:`unmeasured_note`); ``""``
     where none is empty. ``moments``: the table shows mean and std (the text table does not)."""
     parts = []
-    if any(layer.stats is not None and layer.stats.min is None for layer in layers):
-        parts.append("min, max" + (", mean, std" if moments else "") + " and absmax are empty where the tensor held "
-                     "no finite value to measure")
+    ranges = "min, max" + (", mean, std" if moments else "") + " and absmax"
+    why = {_why_rangeless(layer.stats) for layer in layers if layer.stats is not None and layer.stats.min is None}
+    if "no finite value" in why:
+        parts.append(f"{ranges} are empty where the tensor held no finite value to measure")
+    if "counted" in why:
+        # A finite gradient checked by its sum (the default watch's backward boundaries): counts, no range; "no
+        # finite value" said of it was false.
+        parts.append(f"{ranges} are empty where the tensor was counted but its range not read (a gradient checked "
+                     "by its sum, and freed before the report was built)")
+    if "uncounted" in why:
+        parts.append("a ? count is a kind the tensor held, not counted: it was freed before the report was built, "
+                     "and its probe (a min and a max) shows which kinds it held, not how many nor its finite range")
     if moments and any(layer.stats is not None and layer.stats.min is not None and layer.stats.mean is None
                        for layer in layers):
         parts.append(f"empty mean and std were not measured: {MOMENTS_NOTE}")

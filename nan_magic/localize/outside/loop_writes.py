@@ -318,8 +318,7 @@ class LoopWrites:
         named by the recorded op that made its memory (assigned.py); else None. At that event only."""
         for records in (self._data_recorder, self._recorder):
             if (origin := claim_assigned(records, parameter)) is not None and records is not None:
-                finding = self._finding(name, parameter, step=self._step())
-                self._attach(finding, origin)
+                finding = self._finding(name, parameter, step=self._step(), origin=origin)
                 _tensors, finding.frame, finding.frame_position = records.witness(origin)
                 finding.frame_calls = records.calls_to(finding.frame)
                 return finding
@@ -342,10 +341,9 @@ class LoopWrites:
                 origin = records.claim(written, written=True) or claim_assigned(records, parameter)
                 if origin is None and _copied(records, written):
                     continue  # copied from a state already non-finite: the next forward's check names it, as ops=True
-                finding = self._finding(name, parameter, after_step=records is not self._recorder)
+                finding = self._finding(name, parameter, after_step=records is not self._recorder, origin=origin)
                 if origin is not None:
                     _tensors, frame, position = records.witness(origin)
-                    self._attach(finding, origin)
                     finding.frame, finding.frame_position = frame, position
                     finding.frame_calls = records.calls_to(frame)
                     if frame is None and records.let_go is not None:
@@ -448,18 +446,20 @@ class LoopWrites:
                 found.append((entry[0], entry[1], tensor))
         return found
 
-    def _finding(self, name: str, parameter: torch.Tensor, after_step: bool = False, step: int | None = None
-                 ) -> Finding:
+    def _finding(self, name: str, parameter: torch.Tensor, after_step: bool = False, step: int | None = None,
+                 origin: OpFinding | None = None) -> Finding:
+        """The finding of a parameter the loop's code wrote, with ``origin``, the op that started it, where known."""
         step = step if step is not None else self._pending_step if self._tracer is None else self._step()
         finding = Finding(Phase.OPTIMIZER, None, TensorRef.parameter(name), bad=parameter.detach(), step=step)
         self._attribute(finding)
-        finding.notes.append(Note.of("loop-wrote-after-step" if after_step else "loop-wrote", name=name))
+        # The report keeps the parameter's counts; the op's own, the cause's, go on the note: it may have run lines
+        # before the write (an EMA's `1.0 / count` made 1 inf, the teacher's weight then 48 NaN).
+        counts = {"nan": origin.nan, "posinf": origin.posinf, "neginf": origin.neginf} if origin is not None else {}
+        finding.notes.append(Note.of("loop-wrote-after-step" if after_step else "loop-wrote", name=name, **counts))
+        if origin is not None:
+            attach_origin(finding, origin)
+            finding.phase = Phase.OPTIMIZER  # the user's update code is the optimizer
         return finding
-
-    @staticmethod
-    def _attach(finding: Finding, origin: OpFinding) -> None:
-        attach_origin(finding, origin)
-        finding.phase = Phase.OPTIMIZER  # the user's update code is the optimizer
 
     def _report_traced(self, step: int | None = None) -> None:
         """Ops mode: a watched parameter whose values an op of the loop code started is reported now (at ``step``,
@@ -489,8 +489,7 @@ class LoopWrites:
                 # The report describes the op's output, the parameter beside it, as the tracer's at the op does.
                 apply_op_finding(finding, origin)
             else:
-                finding = self._finding(name, parameter, step=step)
-                self._attach(finding, origin)
+                finding = self._finding(name, parameter, step=step, origin=origin)
             finding.frame, finding.frame_position = tracer.frame_of(origin)
             self._emit(finding)
             return

@@ -27,9 +27,9 @@ from collections.abc import Iterable
 
 from nan_magic.hot.kept.step_log import StepLog
 from nan_magic.hot.watched.targets import ModuleInfo
-from nan_magic.records import LayerCall, LayerStatus, Phase, Report
+from nan_magic.records import LayerCall, LayerStatus, Phase, Report, TensorRef, TensorRole, TensorStats
 
-__all__ = ["step_layers", "with_layers"]
+__all__ = ["step_layers", "with_layers", "with_op_row"]
 
 
 def step_layers(
@@ -81,7 +81,29 @@ def with_layers(report: Report | None, layers: tuple[tuple[LayerCall, ...], int]
     at_event = {_key(row): row.stats for row in report.layers if row.stats is not None}
     rows = tuple(dataclasses.replace(row, stats=at_event[_key(row)]) if _key(row) in at_event else row
                  for row in layers[0])
+    rows = with_op_row(rows, report.op, report.tensor, report.output_stats, report.module_output)
     return dataclasses.replace(report, layers=rows, layers_dropped=layers[1])
+
+
+def with_op_row(layers: tuple[LayerCall, ...], op: str | None, tensor: TensorRef, stats: TensorStats | None,
+                reached: tuple[TensorRef, object] | None) -> tuple[LayerCall, ...]:
+    """The producer's row for its op's own output (``tensor``, ``stats``), where the producer row is the value that
+    op reached elsewhere (``reached``, the report's ``module_output``), which becomes a propagated row after it.
+
+    A root's own ``log`` whose -inf a child spread (``output of conv``: 6 +inf, 18 -inf), a loss code's ``log``
+    whose -inf the mean made the loss's NaN: the producer row showed that value's counts, not the op's (1 -inf, the
+    headline's). A module's own output keeps its producer row (the module is the producer, the op inside it), and a
+    gradient its row (a backward op's output is autograd's, not a value of the user's code).
+    """
+    if op is None or stats is None or reached is None or reached[0].role not in (TensorRole.INPUT, TensorRole.LOSS):
+        return layers
+    at = next((index for index, layer in enumerate(layers)
+               if layer.status == "producer" and layer.tensor == reached[0]), None)
+    if at is None:
+        return layers
+    row = layers[at]
+    return (*layers[:at], dataclasses.replace(row, stats=stats, tensor=tensor),
+            dataclasses.replace(row, status="propagated"), *layers[at + 1:])
 
 
 def _key(row: LayerCall) -> tuple[object, ...]:

@@ -54,6 +54,10 @@ FIX_REASON_TEMPLATES: dict[str, str] = {
                             "step, which the trials do not run again (they replay the step's forward, loss and "
                             "backward only); an eps in its divisor at that line (norm.clamp_min(eps), or norm + eps) "
                             "is the likely remedy, not verified",
+    "fixes-after-step-code": "no fix was tried: the producer ({op}) ran in the loop's code after the optimizer "
+                             "step, which the trials do not run again (they replay the step's forward, loss and "
+                             "backward, and redo an optimizer step); the remedy the likely cause names, at that "
+                             "line, is not verified",
     "fixes-call-running": "no fix was tried: the failing model call's arguments could not be read while it ran",
     "fixes-failed": "the fix trials failed ({error}); no remedy was tried",
     "fixes-interrupted": "the fix trials were interrupted (the stop button, Ctrl-C): no remedy was tried; the rest "

@@ -52,7 +52,8 @@ _TEMPLATES: dict[str, str] = {
     "outside-backward": "computed by the backward of code outside every watched module (e.g. the loss)",
     "ops-for-forward-line": "watch with ops=True (%%nantrace --ops) for the op and its forward line",
     "module-backward": "the gradient flowing into {module} was finite; the gradient its backward computed is not",
-    "grads-overflowed": "a parameter gradient overflowed while the activation gradients stayed finite",
+    "grads-overflowed": "the step's checks saw a parameter gradient overflow while the gradients into the model's "
+                        "outputs stayed finite",
     "grads-read-at-exit": "the watch ended after this backward, before an optimizer step: its parameter gradients "
                           "were read then",
     "grads-read-unstepped": "no optimizer stepped after this backward: its parameter gradients were read when it "

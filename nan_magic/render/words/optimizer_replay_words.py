@@ -10,8 +10,9 @@ optimizer keeps no state. A deferred check judges the step after the next backwa
 from __future__ import annotations
 
 from nan_magic.note_records import Note
+from nan_magic.records import Report
 
-__all__ = ["debug_later_step", "optimizer_replay_finite", "optimizer_replayed"]
+__all__ = ["debug_later_step", "optimizer_replay_finite", "optimizer_replayed", "replayed_inputs"]
 
 _KEPT = "a copy of the parameter kept before it (its values were near the limit of its dtype)"
 
@@ -35,6 +36,16 @@ def optimizer_replayed(note: Note) -> str:
         whose = f"step {step}'s"
     numbers = f": its inputs and histograms are the replay's numbers, not {whose}" if whose else ""
     return f"{note.fact('op')} named by a replay of the {note.fact('optimizer')} step {on}{numbers}"
+
+
+def replayed_inputs(report: Report) -> str:
+    """Said after the inputs' verdict where they are an optimizer replay's numbers, not the step's: their "self
+    (before)" row (the step's result, its non-finite elements as 0: [-1.8e38, 2.4e38] under an lr of 1e38) read as
+    the weights before the step, the note that said otherwise many lines below."""
+    replayed = next((note for note in report.note_facts if note.kind == "optimizer-replayed"), None)
+    if replayed is None or (replayed.fact("gradient_step") is None and replayed.fact("own_numbers")):
+        return ""
+    return " (numbers of a replay of the optimizer step, not the step's own: see its note)"
 
 
 def debug_later_step(note: Note) -> str:

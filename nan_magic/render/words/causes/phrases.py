@@ -110,10 +110,15 @@ def counts(report: Report) -> str:
     return counts_phrase(report.nan, report.posinf, report.neginf)
 
 
+#: The notes of an optimizer-phase event whose op ran in the loop's own code, not in an optimizer's step: a learning
+#: rate it made non-finite, or a parameter it wrote (localize/outside/lr_lines.py, loop_writes.py).
+LOOP_OP_NOTES = frozenset({"lr-made-by-loop", "loop-wrote", "loop-wrote-after-step"})
+
+
 def op_counts(report: Report) -> tuple[int, int]:
-    """``(nan, inf)`` the report's op made: the event's, but where the event is a parameter a learning rate the
-    loop's op made non-finite stepped (note ``lr-made-by-loop``), that op's own one-element output's."""
-    note = next((note for note in report.note_facts if note.kind == "lr-made-by-loop"), None)
+    """``(nan, inf)`` the report's op made: the event's, but where the event is a parameter that an op of the loop's
+    own code made non-finite (a learning rate it made, a write: :data:`LOOP_OP_NOTES`), that op's own output's."""
+    note = next((note for note in report.note_facts if note.kind in LOOP_OP_NOTES), None)
     if note is not None and note.fact("nan") is not None:
         return note.fact("nan"), note.fact("posinf") + note.fact("neginf")
     return report.nan, report.posinf + report.neginf
@@ -126,8 +131,9 @@ def stats_counts(stats: TensorStats) -> str:
 def where(report: Report) -> str:
     # A batch the loop computed: its op ran in the loop's code, before the model it entered (the report's module);
     # so did a learning rate the loop computed (the optimizer's event names the stepped parameter's module).
+    # So did an update the loop wrote into a parameter by hand (an EMA teacher's, a renormalisation).
     in_loop = report.op is not None and (report.phase == Phase.DATA or any(
-        note.kind == "lr-made-by-loop" for note in report.note_facts))
+        note.kind in LOOP_OP_NOTES for note in report.note_facts))
     if report.module is None or in_loop:
         if report.source is not None:
             return f"the code at {name_location(report.source.filename, report.source.lineno)}"
