@@ -246,7 +246,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         if found is None and held is not None and held.settled():
             found = held.claim(tensor, key, written)
             if found is not None:  # (what the report reads of the claim: the held region's witness and calls)
-                self._witness, self.let_go, self._clean = held._witness, held.let_go, False
+                self._witness, self.frame_note, self._clean = held._witness, held.frame_note, False
                 self.claimed_in_graph_grad = held.claimed_in_graph_grad
                 self._data_calls = {**held._calls, **self._data_calls}
         return found

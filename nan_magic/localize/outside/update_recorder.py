@@ -383,7 +383,7 @@ class UpdateRecorder(OutsideRecorder):
                         # Not copied (a library's write of a tensor: clip_grad_norm_'s scaling by its coefficient,
                         # every healthy step): what read the memory it overwrote is taken as it ran, not run again.
                         replayed = _past_overwritten(replayed, ops, before)
-                    return self._claim_ops(replayed, self._rng, before, key)
+                    return self._claim_ops(replayed, self._rng, before, key, ops)
         return None
 
     def _copy(self, tensor: torch.Tensor) -> None:
