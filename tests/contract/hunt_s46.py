@@ -397,6 +397,69 @@ def _lazy_validated(eps: float, where: str | None) -> Scenario:
     return Scenario((model,), run)
 
 
+# ---------------------------------------------------------------- a Lightning-style GAN, manual optimization
+class LitGAN(nn.Module):
+    """Generator and discriminator in one module (the root's forward is the generator), two optimizers, and
+    ``toggle_optimizer`` freezing the other's parameters around each step, as Lightning's manual GAN loop does. The
+    generator's loss is the minimax ``log(1 - D(G(z)))`` written by hand (the non-saturating BCE is the twin)."""
+
+    def __init__(self, minimax: bool) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+        self.discriminator = nn.Sequential(nn.Linear(2, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1), nn.Sigmoid())
+        self.minimax = minimax
+        self._optimizers: list[torch.optim.Optimizer] = []
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam(self.generator.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))]
+
+    def toggle_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        mine = {id(p) for group in opt.param_groups for p in group["params"]}
+        for p in self.parameters():
+            p.requires_grad_(id(p) in mine)
+
+    def training_step(self, batch: torch.Tensor, z: torch.Tensor) -> None:
+        opt_g, opt_d = self._optimizers
+        self.toggle_optimizer(opt_g)
+        d_fake = self.discriminator(self(z))
+        if self.minimax:
+            g_loss = torch.log(1 - d_fake).mean()  # producer: minimax generator loss
+        else:
+            g_loss = F.binary_cross_entropy(d_fake, torch.ones_like(d_fake))
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+        self.toggle_optimizer(opt_d)
+        real = F.binary_cross_entropy(self.discriminator(batch), torch.ones(len(batch), 1))
+        fake = F.binary_cross_entropy(self.discriminator(self(z).detach()), torch.zeros(len(z), 1))
+        opt_d.zero_grad()
+        ((real + fake) / 2).backward()
+        opt_d.step()
+
+
+def _lit_gan(minimax: bool) -> Scenario:
+    """At iteration 2 the noise is drawn with a std of 1000 (a scale of 1e-3 misread): the generator's
+    samples are far out, the discriminator's sigmoid rounds to exactly 1 for some, and ``log(1 - 1)`` is ``-inf``.
+    Twin: the non-saturating loss (``binary_cross_entropy`` clamps its log at -100)."""
+    torch.manual_seed(0)
+    module = LitGAN(minimax)
+    reals = _batches(6, 2)
+    noise = _batches(6, 3)
+    noise[2] = noise[2] * 1000.0
+
+    def run() -> list[torch.Tensor]:
+        module._optimizers = module.configure_optimizers()
+        for step in range(4):
+            module.training_step(reals[step], noise[step])
+        return [p.detach().clone() for p in module.parameters()]
+
+    return Scenario((module,), run)
+
+
 LAST_PASS = tuple((mode, "with the locals of its last pass") for mode in ("default", "defer", "full"))
 
 CASES = [
@@ -436,5 +499,9 @@ CASES = [
     Case("hunt_s46_lazy_model_dummy_call_then_validation_blank_row", lambda: _lazy_validated(0.0, "val"),
          Expect("forward", "", "LazyNet", step=2, op="aten.div.Tensor", marker="lazy net share")),
     Case("hunt_s46_lazy_model_dummy_call_validated_healthy", lambda: _lazy_validated(0.0, None), None),
+    Case("hunt_s46_lightning_gan_minimax_log_of_a_saturated_discriminator", lambda: _lit_gan(True),
+         Expect("forward", None, step=2, op="aten.log.default", marker="minimax generator loss",
+                kinds=frozenset({"-inf"}))),
+    Case("hunt_s46_lightning_gan_non_saturating_healthy", lambda: _lit_gan(False), None),
 ]
 
