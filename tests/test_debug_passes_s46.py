@@ -130,3 +130,35 @@ def test_the_ops_of_one_library_call_are_one_pass(mode: str) -> None:
     assert (report.step, report.op) == (1, "aten.log.default")
     assert report.source is not None and report.source.lineno == _line("nll")
     assert not _passes_note(report), report.to_text()
+
+
+def _per_feature_standardised() -> tuple[tuple[Any, ...], Any]:
+    """The loop standardises each feature of the batch in place, one feature a pass; at step 1 feature 0 is constant
+    (its std is 0: ``0 / 0``), and the passes for features 1 and 2 run after it."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    raw, ys = [torch.randn(5, 3) for _ in range(3)], [torch.randn(5, 1) for _ in range(3)]
+    raw[1][:, 0] = 4.0
+
+    def run() -> None:
+        for step in range(3):
+            x = raw[step].clone()
+            for j in range(3):
+                x[:, j] = (x[:, j] - x[:, j].mean()) / x[:, j].std()  # here: per feature
+            loss = F.mse_loss(model(x), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    return (model, opt), run
+
+
+@pytest.mark.parametrize("mode", RECORDED)
+def test_data_code_standardising_feature_by_feature_says_its_pass(mode: str) -> None:
+    report, frame = _report(*_per_feature_standardised(), mode)
+    assert (report.phase, report.step, report.op) == ("data", 1, "aten.div.Tensor")
+    assert report.source is not None and report.source.lineno == _line("per feature")
+    assert frame.f_locals["j"] == 2
+    said = _passes_note(report)
+    assert said and (said[0].fact("line"), said[0].fact("runs")) == (_line("per feature"), 2), report.to_text()

@@ -460,6 +460,42 @@ def _lit_gan(minimax: bool) -> Scenario:
     return Scenario((module,), run)
 
 
+# ---------------------------------------------------------------- a generator that standardises each batch
+def _standardised(rows: torch.Tensor, targets: torch.Tensor, size: int, eps: float):
+    """Yields batches standardised by their own statistics, as a streaming loader does without a dataset-wide
+    mean."""
+    for start in range(0, len(rows), size):
+        x = rows[start:start + size]
+        yield (x - x.mean(0)) / (x.std(0) + eps), targets[start:start + size]  # producer: batch standardise
+
+
+def _generator_loop(eps: float) -> Scenario:
+    """``while True`` over ``next()`` of a generator; batch 2's third feature is constant (a sensor stuck for those
+    rows): its std is 0, ``0 / 0``. Twin: eps 1e-6."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.SiLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows, targets = torch.randn(16, 3), torch.randn(16, 1)
+    rows[8:12, 2] = 0.25
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        it = _standardised(rows, targets, 4, eps)
+        while True:
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            loss = F.l1_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 LAST_PASS = tuple((mode, "with the locals of its last pass") for mode in ("default", "defer", "full"))
 
 CASES = [
@@ -503,5 +539,9 @@ CASES = [
          Expect("forward", None, step=2, op="aten.log.default", marker="minimax generator loss",
                 kinds=frozenset({"-inf"}))),
     Case("hunt_s46_lightning_gan_non_saturating_healthy", lambda: _lit_gan(False), None),
+    Case("hunt_s46_generator_standardises_a_batch_with_a_constant_feature", lambda: _generator_loop(0.0),
+         Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="batch standardise",
+                kinds=frozenset({"nan"}))),
+    Case("hunt_s46_generator_standardises_with_eps_healthy", lambda: _generator_loop(1e-6), None),
 ]
 
