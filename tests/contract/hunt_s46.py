@@ -496,6 +496,45 @@ def _generator_loop(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- R-Drop: two dropout passes of one batch a step
+class DroppedDirection(nn.Module):
+    """Dropout over a small feature vector, then its direction (a cosine head's input)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.drop, self.eps = nn.Dropout(0.5), eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.drop(h)
+        return h / (h.norm(dim=-1, keepdim=True) + self.eps)  # producer: dropped direction
+
+
+def _r_drop(eps: float) -> Scenario:
+    """R-Drop: the batch goes through the model twice a step (two dropout masks), the loss is the cross-entropy of
+    both plus their symmetric KL. A row whose four features all drop (1 in 16 a row) has no direction: ``0 / 0``,
+    in one of the two passes. Twin: eps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), DroppedDirection(eps), nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    xs, ys = _batches(4, 6, steps=6), [torch.randint(0, 3, (4,)) for _ in range(6)]
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(3)  # the masks: step 2's second pass drops a whole row
+        losses = []
+        for step in range(6):
+            a, b = model(xs[step]), model(xs[step])
+            kl = F.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="batchmean")
+            kl = kl + F.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
+            loss = F.cross_entropy(a, ys[step]) + F.cross_entropy(b, ys[step]) + 0.5 * kl
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 LAST_PASS = tuple((mode, "with the locals of its last pass") for mode in ("default", "defer", "full"))
 
 CASES = [
@@ -543,5 +582,9 @@ CASES = [
          Expect("data", "", "Sequential", step=2, op="aten.div.Tensor", marker="batch standardise",
                 kinds=frozenset({"nan"}))),
     Case("hunt_s46_generator_standardises_with_eps_healthy", lambda: _generator_loop(1e-6), None),
+    Case("hunt_s46_r_drop_second_pass_drops_a_whole_row", lambda: _r_drop(0.0),
+         Expect("forward", "2", "DroppedDirection", step=2, op="aten.div.Tensor", marker="dropped direction",
+                kinds=frozenset({"nan"}))),
+    Case("hunt_s46_r_drop_with_eps_healthy", lambda: _r_drop(1e-6), None),
 ]
 
