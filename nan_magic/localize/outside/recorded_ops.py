@@ -123,6 +123,8 @@ def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor],
 
     args, kwargs = tree_map(swap, op.args), tree_map(swap, op.kwargs)
     out = op.func(*args, **kwargs) if run is None else run(op, args, kwargs)
+    if out is None:  # an in-place foreach op (recorded as returning the list it wrote): it wrote the copies read
+        return
     for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
         key = record_key(old)
         if key is not None:
