@@ -270,12 +270,82 @@ class DebiasedEMA:
         self.t += 1
 
 
-def _ema(first_t: int) -> Scenario:
+class ForeachEMA(DebiasedEMA):
+    """The same EMA over lists of tensors, as timm's ``ModelEmaV3`` writes it: one foreach op for every parameter."""
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        correction = 1 - self.decay ** self.t
+        shadow, params = list(self.shadow.values()), list(model.parameters())
+        torch._foreach_lerp_(shadow, params, 1 - self.decay)
+        torch._foreach_copy_(list(self.model.parameters()), torch._foreach_div(shadow, correction))  # producer: foreach
+        self.t += 1
+
+
+def _foreach_sgd(guarded: bool) -> Scenario:
+    """A hand-written SGD over the parameter list with foreach ops (as torch.optim's foreach path does it), the
+    gradients averaged over the batch's real tokens; step 2's batch is all padding: ``g / 0``. Twin: the count
+    clamped at 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    params = list(model.parameters())
+    xs, ys = _batches(5, 4), _batches(5, 1)
+    masks = [torch.ones(5, 1) for _ in range(4)]
+    masks[2][:] = 0.0
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = (((model(xs[step]) - ys[step]) ** 2) * masks[step]).sum()
+            for p in params:
+                p.grad = None
+            loss.backward()
+            tokens = masks[step].sum().clamp(min=1) if guarded else masks[step].sum()
+            with torch.no_grad():
+                grads = [p.grad for p in params]
+                torch._foreach_add_(params, torch._foreach_div(grads, tokens), alpha=-0.05)  # producer: foreach sgd
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model,), run)
+
+
+def _foreach_decay(guarded: bool) -> Scenario:
+    """Gradients clipped every step (``clip_grad_norm_``: the region between backward and step runs many ops and
+    writes no parameter), then, from step 2 on, a decoupled weight decay by hand over the weight matrices with one
+    foreach op, scaled per real token: step 2's batch is all padding, ``wd / 0``. Twin: the count clamped at 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    xs, ys = _batches(5, 4), _batches(5, 1)
+    masks = [torch.ones(5, 1) for _ in range(4)]
+    masks[2][:] = 0.0
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            loss = (((model(xs[step]) - ys[step]) ** 2) * masks[step]).sum() / 5
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step >= 2:
+                tokens = masks[step].sum().clamp(min=1) if guarded else masks[step].sum()
+                with torch.no_grad():
+                    torch._foreach_mul_(weights, 1 - 0.05 * 0.01 / tokens)  # producer: foreach decay
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
+def _ema(first_t: int, ema_class: type[DebiasedEMA] = DebiasedEMA) -> Scenario:
     """The EMA copy is updated after each step and evaluated (validation under ``no_grad``). Twin: ``t`` from 1."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ema = DebiasedEMA(model, 0.99, first_t)
+    ema = ema_class(model, 0.99, first_t)
     xs, ys = _batches(4, 4), _batches(4, 1)
 
     def run() -> list[torch.Tensor]:
@@ -559,6 +629,17 @@ CASES = [
          Expect("optimizer", "0", "Linear", step=1, op="aten.div.Tensor", marker="ema debias", model="Sequential#2",
                 kinds=frozenset({"+inf", "-inf"}), says=LAST_PASS)),
     Case("hunt_s46_ema_zero_debias_from_t_1_healthy", lambda: _ema(1), None),
+    Case("hunt_s46_foreach_ema_zero_debias_at_t_0", lambda: _ema(0, ForeachEMA),
+         Expect("optimizer", "0", "Linear", step=1, op="aten._foreach_div.Scalar", marker="foreach",
+                model="Sequential#2", cause="division-by-zero")),
+    Case("hunt_s46_foreach_ema_zero_debias_from_t_1_healthy", lambda: _ema(1, ForeachEMA), None),
+    Case("hunt_s46_foreach_hand_sgd_all_padding_batch", lambda: _foreach_sgd(False),
+         Expect("optimizer", "0", "Linear", step=2, op="aten._foreach_div.Tensor", marker="foreach sgd",
+                cause="division-by-zero")),
+    Case("hunt_s46_foreach_hand_sgd_clamped_count_healthy", lambda: _foreach_sgd(True), None),
+    Case("hunt_s46_foreach_weight_decay_after_clipping_all_padding_batch", lambda: _foreach_decay(False),
+         Expect("optimizer", "0", "Linear", step=2, op="aten.reciprocal.default", marker="foreach decay")),
+    Case("hunt_s46_foreach_weight_decay_after_clipping_healthy", lambda: _foreach_decay(True), None),
     Case("hunt_s46_fixmatch_no_confident_pseudo_label_0_over_0", lambda: _fixmatch(False),
          Expect("forward", None, step=0, op="aten.div.Tensor", marker="fixmatch")),
     Case("hunt_s46_fixmatch_confident_count_clamped_healthy", lambda: _fixmatch(True), None),
