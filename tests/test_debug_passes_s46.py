@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from contract import MODE_OPTIONS
-from contract.hunt_s46 import _ema
+from contract.hunt_s46b import _ema
 from torch import nn
 from torch.nn import functional as F
 
