@@ -72,7 +72,7 @@ def forward_cause(report: Report) -> Cause:
             _overflow_beside_neginf(base, report)):
         # An op that made a new kind from values already non-finite (inf·0, inf - inf).
         return event_cause("unclassified", "carried", report)
-    rule = _OP_RULES.get(base)
+    rule = _OP_RULES.get(base.removeprefix("foreach_"))  # (a foreach op: its function, on each tensor of a list)
     return rule(report) if rule is not None else overflow(report)
 
 

@@ -229,8 +229,8 @@ class OpOrigins:
             else:
                 assert outside is not None
                 tensors, frame, position = outside.witness(origin)
-                if frame is None and outside.let_go is not None:
-                    finding.notes.append(outside.let_go)  # %debug opens where the step was judged: said why
+                if outside.frame_note is not None:  # %debug opens where the step was judged, or in a later pass
+                    finding.notes.append(outside.frame_note)
             boundary = finding.tensor
             apply_op_finding(finding, origin, tensors)
             if finding.module_output is not None and _same_values(finding.module_output[1], origin.output_stats):
@@ -281,8 +281,8 @@ class OpOrigins:
         elif self.outside is not None:
             _tensors, frame, position = self.outside.witness(origin)
             calls = self.outside.calls_to(frame)
-            if frame is None and self.outside.let_go is not None:
-                finding.notes.append(self.outside.let_go)  # %debug opens where the step was judged: said why
+            if self.outside.frame_note is not None:  # %debug opens where the step was judged, or in a later pass
+                finding.notes.append(self.outside.frame_note)
         else:
             return
         if frame is not None:

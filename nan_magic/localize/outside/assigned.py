@@ -94,5 +94,5 @@ def claim_assigned(records: RegionRecords | None, tensor: torch.Tensor) -> OpFin
         at = _unexplained(ops, produced, tensor) if ops else None
         if at is not None:
             target = next((key for key in map(record_key, tree_leaves(ops[at].out)) if key is not None), None)
-            return records._claim_ops([ops[at]], rng, {}, target)
+            return records._claim_ops([ops[at]], rng, {}, target, ops)
     return None

@@ -346,8 +346,8 @@ class LoopWrites:
                     _tensors, frame, position = records.witness(origin)
                     finding.frame, finding.frame_position = frame, position
                     finding.frame_calls = records.calls_to(frame)
-                    if frame is None and records.let_go is not None:
-                        finding.notes.append(records.let_go)
+                    if records.frame_note is not None:  # %debug opens where the step was judged, or a later pass
+                        finding.notes.append(records.frame_note)
                 self._emit(finding)
                 return
         finally:

@@ -10,7 +10,7 @@ ops that led to a non-finite value again with :func:`rerun_op`, on
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import CodeType
 from typing import Any, NamedTuple
 
@@ -23,10 +23,11 @@ from nan_magic.localize.ops.derived import ModelDerived
 from nan_magic.localize.ops.divisor import recorded_spread
 from nan_magic.localize.ops.plans import arguments, plan_of, tensors
 from nan_magic.localize.replay.module_run import map_tensors
+from nan_magic.note_records import Note
 from nan_magic.records import SourcePointer
 
 __all__ = ["Detached", "EarlierLoss", "Gone", "RecordedOp", "WeakRecord", "alive", "benign_copies",
-           "copies_from_outside", "detached_from_model", "divisor_spread", "finite_now", "last_write",
+           "copies_from_outside", "detached_from_model", "divisor_spread", "finite_now", "frame_note", "last_write",
            "made_from_outside_data", "maker", "op_source", "ops_to", "ops_to_key", "record_key", "rerun_op",
            "swapped", "weak_record", "written_by"]
 
@@ -122,6 +123,8 @@ def rerun_op(op: RecordedOp, copies: dict[int, torch.Tensor],
 
     args, kwargs = tree_map(swap, op.args), tree_map(swap, op.kwargs)
     out = op.func(*args, **kwargs) if run is None else run(op, args, kwargs)
+    if out is None:  # an in-place foreach op (recorded as returning the list it wrote): it wrote the copies read
+        return
     for old, new in zip(tree_leaves(op.out), tree_leaves(out)):
         key = record_key(old)
         if key is not None:
@@ -196,6 +199,31 @@ _FLAT = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torc
 
 def op_source(op: RecordedOp) -> SourcePointer | None:
     return pointer_at(op.code, op.lineno, op.globals) if op.code is not None else None
+
+
+def frame_note(every: Sequence[RecordedOp], op: RecordedOp) -> Note | None:
+    """Why ``%debug`` cannot show the locals ``op``'s line left, or None where it can.
+
+    The frame was let go (a returned helper's whose tensors were too large to keep: recorder.weaken); or that frame
+    ran the same instruction again after ``op``, later in ``every`` (the region's records): a loop's later pass
+    (``for task in ...: loss = loss + mse / target.var()``, an EMA's update over each parameter), whose locals the
+    frame holds now, not the producing pass's (``task``, ``target`` of the last task). A live tracer (ops=True) copies
+    them as the line ends; a recorded op kept no values of the frame, so the report says so. A pass is counted where
+    the frame ran another instruction in between: the ops one library call ran (``F.gaussian_nll_loss``'s log, then
+    its division) are all recorded at the user's instruction that called it, in one pass.
+    """
+    if op.code is None:
+        return None
+    if op.frame is None:
+        return Note.of("frame-let-go", function=op.code.co_name, line=op.lineno)
+    at = next((index for index, recorded in enumerate(every) if recorded is op), len(every))
+    runs, away = 0, False
+    for later in every[at + 1:]:
+        if later.frame is op.frame and later.lasti != op.lasti:
+            away = True
+        elif later.frame is op.frame and away:
+            runs, away = runs + 1, False
+    return Note.of("frame-ran-on", function=op.code.co_name, line=op.lineno, runs=runs) if runs else None
 
 
 # -- walking the records to a tensor ----------------------------------------------------------

@@ -246,7 +246,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         if found is None and held is not None and held.settled():
             found = held.claim(tensor, key, written)
             if found is not None:  # (what the report reads of the claim: the held region's witness and calls)
-                self._witness, self.let_go, self._clean = held._witness, held.let_go, False
+                self._witness, self.frame_note, self._clean = held._witness, held.frame_note, False
                 self.claimed_in_graph_grad = held.claimed_in_graph_grad
                 self._data_calls = {**held._calls, **self._data_calls}
         return found
@@ -398,6 +398,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                     self.batches_aside = self.batches_aside or self._region == "data"
                 self.forget()
             return out
+        # An in-place foreach op returns nothing: recorded as returning the list it wrote (an EMA's _foreach_copy_).
+        returned, out = out, (args[0] if out is None and writes is not None and args else out)
         # The user's frame: the innermost one that is not torch's or ours (user_frame, inlined and cached); the last
         # op's walk where this one runs in the same frame (still running: the same callers), as most ops of a loss do.
         frame: FrameType | None = sys._getframe(1)
@@ -410,7 +412,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
                 if not (passed[1] if passed is not None else passed_over(frame.f_code)):
                     break
                 if code in ZERO_GRAD_CODES:  # a zero_grad() bound before the watch patched it: not the loop's
-                    return out
+                    return returned
                 if code in GENERATED:  # (a compiled function's graph: its node's line is the op's, generated.py)
                     self._generated = frame
                 frame = frame.f_back
@@ -487,7 +489,7 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
             for value in kwargs.values():
                 if isinstance(value, torch.Tensor):
                     self._held_bytes += held_bytes(value)
-        return out
+        return returned
 
     def recording(self) -> bool:
         """Whether the next op is recorded (within the region's budget)."""

@@ -35,6 +35,7 @@ from nan_magic.localize.outside.recorded_ops import (
     copies_from_outside,
     divisor_spread,
     finite_now,
+    frame_note,
     last_write,
     made_from_outside_data,
     maker,
@@ -97,9 +98,9 @@ class RegionRecords:
         # The last op :meth:`claim` named, with copies of its output and operands and the frame that ran it.
         self._witness: tuple[OpFinding, tuple[tuple[str, torch.Tensor], ...], FrameType | None,
                              tuple[int, int] | None] | None = None
-        #: What a report says where the frame that ran the op :meth:`claim` named was let go (a returned helper's
-        #: whose tensors were too large to keep: recorder.weaken), so %debug cannot open there; None where held.
-        self.let_go: Note | None = None
+        #: What a report says where %debug cannot show the locals the line of the op :meth:`claim` named left: its
+        #: frame was let go, or ran that line again since (recorded_ops.frame_note); None where it can.
+        self.frame_note: Note | None = None
         # Whether forget() would find nothing to drop: it ran, and nothing was recorded, walked, copied or named
         # since (set False where each is). Read before the forget at a region's start and at a model call.
         self._clean = False
@@ -233,7 +234,8 @@ class RegionRecords:
             if (isinstance(read, torch.Tensor) and read.is_floating_point() and read.layout is torch.strided
                     and read.numel() and not finite_now(read)):
                 last = last_write(data_ops, -1, read)
-                found = self._claim_ops(data_ops[: last + 1], rng, self._data_before, id(read)) if last >= 0 else (
+                found = self._claim_ops(data_ops[: last + 1], rng, self._data_before, id(read), data_ops) if (
+                    last >= 0) else (
                     self._claim_in(data, read, None, self._data_before) if read is not tensor else None)
                 if found is not None:
                     # What the data code built from outside data alone, which the loss code read: data, not loss code.
@@ -277,15 +279,16 @@ class RegionRecords:
             ops = ops_to_key(recorded, produced, key) if key is not None else None
         if ops is None:
             return None
-        return self._claim_ops(ops, rng, before, record_key(tensor) if tensor is not None else key, written)
+        return self._claim_ops(ops, rng, before, record_key(tensor) if tensor is not None else key, recorded, written)
 
     def _claim_ops(self, ops: list[RecordedOp], rng: RngState | None, before: dict[int, torch.Tensor],
-                   target: int | None, written: bool = False) -> OpFinding | None:
+                   target: int | None, every: list[RecordedOp], written: bool = False) -> OpFinding | None:
         """The op of ``ops``, run again on copies under the op tracer, whose non-finite value reached the tensor
         ``target`` (its key: the last op made or wrote it), as ops=True claims one at a boundary. An op whose value
         reached no such tensor is not it: a metric the same loss helper only logs (``(s / 0).item()``, inf every
         step), an overflow ``tanh`` absorbed. ``written`` (a batch entering a model): where no op made its value,
-        the op that lifted a number the code wrote into it (``x[3] = nan``)."""
+        the op that lifted a number the code wrote into it (``x[3] = nan``). ``every``: the region's records, of
+        which ``ops`` is the start."""
         tracer = OpTracer(kinds=self.kinds, at_boundary=True)
         started: dict[int, int] = {}  # the index of the op during whose run each origin started, by its id
         lifted: dict[int, int] = {}  # the index of the op that lifted each non-finite number, by its finding's id
@@ -321,8 +324,7 @@ class RegionRecords:
         position = (producer.lasti, producer.lineno) if frame is not None else None
         self._witness = (finding, tracer.producer_tensors, frame, position)
         self._clean = False
-        self.let_go = (Note.of("frame-let-go", function=producer.code.co_name, line=producer.lineno)
-                       if frame is None and producer.code is not None else None)
+        self.frame_note = frame_note(every, producer)
         return finding
 
     def _module_of(self, op: RecordedOp, frame: FrameType | None) -> str | None:
@@ -437,6 +439,7 @@ class RegionRecords:
             finding = dataclasses.replace(
                 finding, absorbed=dataclasses.replace(absorbed, source=source, inner_source=None))
         creator = made.get(finding.node_number) if finding is not None and finding.node_number is not None else None
+        self.frame_note = frame_note(recorded, creator) if creator is not None else None
         if finding is not None and creator is not None and creator.frame is not None:
             # %debug opens where the node's forward line ran (a loss helper's frame, kept while its tensors are
             # small: recorder.weaken), with that frame's locals.

@@ -384,7 +384,7 @@ class UpdateRecorder(OutsideRecorder):
                         # every healthy step): what read the memory it overwrote is taken as it ran, not run again.
                         replayed = _past_overwritten(replayed, ops, before)
                     # (written: a number the code wrote in, ``p.grad[0, 0] = inf``, is named by its lift)
-                    return self._claim_ops(replayed, self._rng, before, key, written=True)
+                    return self._claim_ops(replayed, self._rng, before, key, ops, written=True)
         return None
 
     def _copy(self, tensor: torch.Tensor) -> None:

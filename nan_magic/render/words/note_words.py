@@ -100,6 +100,9 @@ _TEMPLATES: dict[str, str] = {
     "loop-wrote": "the loop's own code wrote {name} between backward() and the next step (a hand-written update)",
     "frame-let-go": "{debugger} opens where the step was judged, not in {function} at line {line}: that function had "
                     "returned and its frame was let go, its tensors too large to keep",
+    "frame-ran-on": "{debugger} opens in {function} at line {line} with the locals of its last pass, not the producing "
+                    "one: a loop ran that line again after it (later passes: {runs}); ops=True stops at the producing "
+                    "pass",
     "debug-not-replayed": "{debugger} opens where the step was judged, not at the forward line: {reason}",
     # ... its reason (localize/replay/line_replay.py)
     "line-node-not-remade": "a replay of the call did not make that line's autograd node again",
