@@ -45,7 +45,7 @@ from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.iterations import Iterations
 from nan_magic.hot.checks.layouts import Layouts
-from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports
+from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports, held_state
 from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
@@ -324,11 +324,14 @@ class OptimizerChecks:
                 watch.on_step_ran(held)
 
     def check_unchecked_of(self, parameter: torch.Tensor) -> bool:
-        """A forward read ``parameter`` non-finite: the parameter check skipped after a bounded step of an optimizer
-        that holds it (step_layout.py) runs now, and reports that step where it left it so (its state non-finite
-        before it, written by the loop or loaded); True where it reported. At that event only."""
+        """A forward read ``parameter`` non-finite: where a state tensor of it is non-finite too, the parameter check
+        skipped after a bounded step of an optimizer that holds it (step_layout.py) runs now, and reports that step,
+        which carried the state into it (written by the loop, or loaded); True where it reported. With finite state
+        the bounded step cannot have made it (something wrote it since: a forward's max-norm, a reloaded
+        checkpoint): the forward's report stands. At that event only."""
         for key, (opt, step) in list(self._unchecked.items()):
-            if any(held is parameter for group in opt.param_groups for held in group["params"]):
+            if any(held is parameter for group in opt.param_groups for held in group["params"]) and (
+                    held_state(opt, parameter) is not None):
                 del self._unchecked[key]
                 result = self._step_result(opt, step, True)
                 return self.reports.step_result(result, _read_step_result(result))

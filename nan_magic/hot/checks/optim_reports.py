@@ -28,7 +28,7 @@ from nan_magic.hot.stats import kinds_of
 from nan_magic.plain import to_pairs
 from nan_magic.records import Note, Phase, SourcePointer, TensorRef, TensorRole
 
-__all__ = ["ReplayStep", "StepReports"]
+__all__ = ["ReplayStep", "StepReports", "held_state"]
 
 #: The notes of a replay of the step (localize/replay/optimizer.py), which say whose gradient it applied.
 _REPLAY_NOTES = frozenset({"optimizer-replayed", "optimizer-replay-finite"})
@@ -106,7 +106,7 @@ class StepReports:
             # Nor finite state non-finite: a non-finite state tensor of the parameter held its value before the
             # step (a resumed optimizer's loaded state), and the step carried it into the parameter. (Read at an
             # event only: a parameter's state, one tensor at a time.)
-            held = _held_state(result.optimizer, result.owner(index)[0]) if index < len(result.layout.named) else None
+            held = held_state(result.optimizer, result.owner(index)[0]) if index < len(result.layout.named) else None
             finding = Finding(phase, None, label, bad=tensor.detach(), step=result.step)
             if held is not None and result.bounded:
                 _blame_state(finding, label, held)
@@ -244,7 +244,7 @@ def _running(code: CodeType) -> FrameType | None:
     return here
 
 
-def _held_state(opt: torch.optim.Optimizer, parameter: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+def held_state(opt: torch.optim.Optimizer, parameter: torch.Tensor) -> tuple[str, torch.Tensor] | None:
     """The first floating state tensor of ``parameter`` in ``opt`` that holds a non-finite value, with its key.
 
     Read only at an event (a parameter a bounded step left non-finite), one state tensor at a time.
