@@ -135,19 +135,19 @@ def test_healthy_parameters_that_stress_the_step_checks_one_sum_are_calm(name: s
 @pytest.mark.parametrize("name", ["huge_finite_parameters_whose_sum_overflows", "last_module_double_mid_run",
                                   "a_parameter_resized_in_place", "layernorm_to_bf16_mid_run"])
 def test_those_steps_take_the_one_sum_and_its_fallback(name: str, monkeypatch) -> None:
-    # The cases above reach the code they stress: immediate RMSprop's checks read one sum (optim._read_step_result),
+    # The cases above reach the code they stress: immediate RMSprop's checks read one sum (optim.read_step_result),
     # non-finite for the huge parameters (then measured one by one), finite with dtypes mixed since the layout.
     from nan_magic.hot.checks import optim
 
     seen: list[tuple[bool, bool]] = []
-    read = optim._read_step_result
+    read = optim.read_step_result
 
     def spy(result):  # type: ignore[no-untyped-def]
         values = read(result)
         seen.append((result.summed, len(values) == len(result.updated)))
         return values
 
-    monkeypatch.setattr(optim, "_read_step_result", spy)
+    monkeypatch.setattr(optim, "read_step_result", spy)
     assert_calm(scenario("rmsprop", **CASES[name]), {})
     # (summed, measured one by one): the huge parameters' sum overflows at every check, the others' does not (a
     # parameter's dtype changed since the layout was built: the concatenation promotes).

@@ -435,13 +435,13 @@ def _adamw_steps(steps: int, between: Callable[[int, nn.Module, torch.optim.Opti
 
 def test_bounded_steps_check_parameters_every_full_check_step(monkeypatch) -> None:
     checked: list[int] = []
-    real = optim._read_step_result
+    real = optim.read_step_result
 
     def counting(result):  # (every step result read at once: the immediate mode's; one sum of the 4, here)
         checked.append(len(result.updated))
         return real(result)
 
-    monkeypatch.setattr(optim, "_read_step_result", counting)
+    monkeypatch.setattr(optim, "read_step_result", counting)
     w = _adamw_steps(2 * FULL_CHECK_EVERY + 1, lambda *_: None)
     assert w.report is None
     assert checked == [4, 4, 4]  # steps 0, 16 and 32: four parameters each

@@ -184,8 +184,7 @@ class OpOrigins:
         # that write is named where the live op tracer or the data region's records saw it. Live, the lift is not
         # made the tracer's finding, which would stop its checks: the batch's event may be benign (the model handles
         # NaN-coded missing values) and the loss code may then make the step's event (test_handled_inputs).
-        # So may a gradient (``p.grad[0, 0] = inf`` between backward and the step): only an event, never benign.
-        written = finding.phase == Phase.DATA or finding.tensor.role is TensorRole.PARAMETER_GRADIENT
+        written = finding.phase == Phase.DATA or finding.tensor.role is TensorRole.PARAMETER_GRADIENT  # (g[0] = inf)
         if self.tracer is not None and (tensor is not None or freed is not None):
             origin = self.tracer.claim(tensor, freed)
             if freed is not None and isinstance(origin, OpFinding) and finding.bad is None and (

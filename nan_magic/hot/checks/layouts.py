@@ -8,6 +8,7 @@ hot path asks :meth:`Layouts.layout` once and reads the layout it returns.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import torch
 
@@ -17,7 +18,7 @@ from nan_magic.hot.checks.step_layout import Layout
 from nan_magic.hot.reads import DOT_MIN_NUMEL, WIDE_FLOATS, is_checkable
 from nan_magic.hot.watched.targets import Targets
 
-__all__ = ["FLAT_MAX_NUMEL", "Layouts"]
+__all__ = ["FLAT_MAX_NUMEL", "Layouts", "holds"]
 
 #: The small CPU gradients of a step are copied into one flat buffer for their norm up to this many elements
 #: in all (16 MB of float32); beyond, a norm per gradient costs less than the copy.
@@ -93,3 +94,11 @@ class Layouts:
         return [
             (names[id(parameter)], parameter) for group in opt.param_groups for parameter in group["params"]
         ]
+
+
+def holds(optimizers: Iterable[object], opt: object) -> bool:
+    """Whether ``opt`` itself is among ``optimizers`` (by identity; a loop, not a generator: asked every step)."""
+    for known in optimizers:  # noqa: SIM110 - any() over a generator is a Python call per optimizer
+        if known is opt:
+            return True
+    return False

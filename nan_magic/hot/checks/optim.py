@@ -32,7 +32,6 @@ import math
 import operator
 import sys
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -44,8 +43,8 @@ from nan_magic.hot.checks.gradients import check_parameter_grads
 from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
 from nan_magic.hot.checks.iterations import Iterations
-from nan_magic.hot.checks.layouts import Layouts
-from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports, held_state
+from nan_magic.hot.checks.layouts import Layouts, holds
+from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports, held_state, read_step_result
 from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
@@ -128,7 +127,7 @@ class OptimizerChecks:
 
     def watches(self, opt: torch.optim.Optimizer) -> bool:
         mine = self.watch.targets.optimizers
-        return not mine or _holds(mine, opt) or self.watch.targets.admit_optimizer(opt)
+        return not mine or holds(mine, opt) or self.watch.targets.admit_optimizer(opt)
 
     def arm(self, module: nn.Module) -> list[Any]:
         """Post-accumulate-grad hooks on a watched model's parameters; their handles."""
@@ -227,7 +226,7 @@ class OptimizerChecks:
         if opt is not self._last:  # (the usual step's optimizer is the last one's: no call to ask again)
             if not self.watches(opt):
                 return
-            if not _holds(self.seen, opt):
+            if not holds(self.seen, opt):
                 self.seen.append(opt)
             self._last = opt
         self._bounded = False
@@ -239,9 +238,8 @@ class OptimizerChecks:
         carried_norms = carried.norms if carried else []
 
         def judge_carried(values: list[float]) -> None:
-            # The previous step's result first: the forward since read what it made non-finite. Found finite, the
-            # state copied right after it is the last good one, before this step's calls are judged (an event in
-            # them rolls back to the step right before, as in the immediate mode).
+            # The previous step's result first: the forward since read what it made non-finite. Finite, the state
+            # copied after it is the last good one before this step's calls are judged (last_good.py).
             if carried is not None and not self.reports.step_result(carried, values[: len(carried_norms)],
                                                                      next_check=True, stepping=opt):
                 watch.last_good.promote()
@@ -314,7 +312,7 @@ class OptimizerChecks:
                 self.carried = result
                 if watch.last_good.where is not None:  # (copied as it is now, kept once the check finds it finite)
                     watch.on_step_to_judge()
-            elif not self.reports.step_result(result, _read_step_result(result)):
+            elif not self.reports.step_result(result, read_step_result(result)):
                 watch.on_finite_step()
         finally:
             self.in_step, self._stepping, held, self.pending_overflow = False, None, self.pending_overflow, None
@@ -324,23 +322,20 @@ class OptimizerChecks:
                 watch.on_step_ran(held)
 
     def check_unchecked_of(self, parameter: torch.Tensor) -> bool:
-        """A forward read ``parameter`` non-finite: where a state tensor of it is non-finite too, the parameter check
-        skipped after a bounded step of an optimizer that holds it (step_layout.py) runs now, and reports that step,
-        which carried the state into it (written by the loop, or loaded); True where it reported. With finite state
-        the bounded step cannot have made it (something wrote it since: a forward's max-norm, a reloaded
-        checkpoint): the forward's report stands. At that event only."""
+        """A forward read ``parameter`` non-finite, and a state tensor of it is too: the check skipped after a bounded
+        step holding it runs now and reports that step, which carried the state into it; True then. (Finite state:
+        no bounded step made it, a forward's max-norm or a reload did; the forward's report stands.)"""
         for key, (opt, step) in list(self._unchecked.items()):
             if any(held is parameter for group in opt.param_groups for held in group["params"]) and (
                     held_state(opt, parameter) is not None):
                 del self._unchecked[key]
                 result = self._step_result(opt, step, True)
-                return self.reports.step_result(result, _read_step_result(result))
+                return self.reports.step_result(result, read_step_result(result))
         return False
 
     def settle_last_good(self) -> None:
-        """At the first real event: the last step's result, still carried to the next check (deferred), is read
-        now; finite, the state copied right after that step is the last good one (an event found before the check,
-        a loop's write into a parameter at the next model call, rolls back to it, as the immediate mode does)."""
+        """At the first real event: the last step's result, carried to the next check (deferred), is read now;
+        finite, the state copied right after it is the last good one (an event found before that check)."""
         carried = self.carried
         if carried is not None and self.watch.last_good.where is not None and all(
                 map(math.isfinite, read_scalars(carried.norms))):
@@ -357,7 +352,7 @@ class OptimizerChecks:
     def _step_result(self, opt: torch.optim.Optimizer, step: int, bounded: bool, read_now: bool = True
                      ) -> StepResult:
         """What ``opt``'s step ``step`` updated, with the norms that say whether it stayed finite (not read yet;
-        ``read_now``: read at once by :func:`_read_step_result`, not carried to the next check)."""
+        ``read_now``: read at once by :func:`read_step_result`, not carried to the next check)."""
         layout = self.layout(opt)
         updated = [parameter for _name, parameter in layout.named]
         # State can overflow while its parameter stays finite (Adam's exp_avg_sq = inf freezes the update at 0):
@@ -372,7 +367,7 @@ class OptimizerChecks:
         # of their concatenation, not a norm each (a call per parameter, and a float each to read: 205 -> 67 us
         # on tiny_lm's 76, benchmarks/README.md fourteenth round). Non-finite exactly when one of them is, or
         # when huge finite values overflow it: either way they are then measured one by one, at once, as they
-        # still are (_read_step_result), and judged as before. (A carried result is read after the next forward.)
+        # still are (read_step_result), and judged as before. (A carried result is read after the next forward.)
         summed = read_now and layout.one_sum and not states and not layout.generic
         values: list[torch.Tensor] | None = None
         if summed:
@@ -397,12 +392,12 @@ class OptimizerChecks:
         never read by a forward since, would otherwise leave the watch unseen.
         """
         carried, self.carried = self.carried, None
-        if carried is not None and not self.reports.step_result(carried, _read_step_result(carried), left=True):
+        if carried is not None and not self.reports.step_result(carried, read_step_result(carried), left=True):
             self.watch.last_good.promote()
         unchecked, self._unchecked = self._unchecked, {}
         for opt, step in unchecked.values():
             result = self._step_result(opt, step, True)
-            if self.watch.outcome.stopped or self.reports.step_result(result, _read_step_result(result)):
+            if self.watch.outcome.stopped or self.reports.step_result(result, read_step_result(result)):
                 return
 
     # -- GradScaler ------------------------------------------------------------------
@@ -428,7 +423,7 @@ class OptimizerChecks:
         if not self.watch.here.mine or not scaler.is_enabled() or self.step_calls != step_calls:
             return
         self.on_scale(scaler)
-        if not _holds(self.seen, opt):
+        if not holds(self.seen, opt):
             self.seen.append(opt)
         self.watch.cycle.step_skipped(opt)
 
@@ -502,20 +497,3 @@ _INFERENCE = torch._C._InferenceMode
 _FINITE = torch.zeros(1)
 #: A parameter group's ``lr`` object (a C callable: read each carried step with no Python call).
 _GROUP_LR = operator.methodcaller("get", "lr")
-
-
-def _read_step_result(result: StepResult) -> list[float]:
-    """A step result's values, read now: one per tensor of ``result.updated``, as :meth:`StepReports.step_result`
-    judges them (a sum that is not finite is followed by a norm each, read at once)."""
-    values = read_scalars(result.norms)
-    if result.summed and not math.isfinite(values[0]):
-        values = read_scalars(norms(result.updated, finiteness_only=True))
-    return values
-
-
-def _holds(optimizers: Iterable[object], opt: object) -> bool:
-    """Whether ``opt`` itself is among ``optimizers`` (by identity; a loop, not a generator: asked every step)."""
-    for known in optimizers:  # noqa: SIM110 - any() over a generator is a Python call per optimizer
-        if known is opt:
-            return True
-    return False

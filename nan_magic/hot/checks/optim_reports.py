@@ -28,7 +28,7 @@ from nan_magic.hot.stats import kinds_of
 from nan_magic.plain import to_pairs
 from nan_magic.records import Note, Phase, SourcePointer, TensorRef, TensorRole
 
-__all__ = ["ReplayStep", "StepReports", "held_state"]
+__all__ = ["ReplayStep", "StepReports", "held_state", "read_step_result"]
 
 #: The notes of a replay of the step (localize/replay/optimizer.py), which say whose gradient it applied.
 _REPLAY_NOTES = frozenset({"optimizer-replayed", "optimizer-replay-finite"})
@@ -260,3 +260,12 @@ def _blame_state(finding: Finding, parameter: TensorRef, held: tuple[str, torch.
     key, state = held
     finding.phase, finding.bad = Phase.DATA, state.detach()
     finding.tensor = TensorRef(TensorRole.OPTIMIZER_STATE, parameter.name, key)
+
+
+def read_step_result(result: StepResult) -> list[float]:
+    """A step result's values, read now: one per tensor of ``result.updated``, as :meth:`StepReports.step_result`
+    judges them (a sum that is not finite is followed by a norm each, read at once)."""
+    values = read_scalars(result.norms)
+    if result.summed and not math.isfinite(values[0]):
+        values = read_scalars(norms(result.updated, finiteness_only=True))
+    return values

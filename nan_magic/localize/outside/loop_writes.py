@@ -334,10 +334,9 @@ class LoopWrites:
                     continue
                 if not relevant_kinds(kinds_of(parameter), self._kinds):
                     continue
-                # (Else the op that made the memory it was assigned since: a write first followed, ``w[3] = 0``,
-                # then ``w.data = w.data / norm`` in a helper, which no replay of that write's ops makes.)
-                # (``written``: a number the code wrote into it, ``w[0, 0] = float("nan")``, is its op where no op
-                # made its value: the lift of that number, at the line that wrote it.)
+                # (``written=True``: where no op made its value, the lift of a number the code wrote into it, ``w[0, 0]
+                # = nan``. Else the op that made the memory it was assigned since: a write first followed, ``w[3] =
+                # 0``, then ``w.data = w.data / norm`` in a helper, which no replay of that write's ops makes.)
                 origin = records.claim(written, written=True) or claim_assigned(records, parameter)
                 if origin is None and _copied(records, written):
                     continue  # copied from a state already non-finite: the next forward's check names it, as ops=True
@@ -470,16 +469,13 @@ class LoopWrites:
         for name, parameter in self._named_parameters():
             if not isinstance(parameter, nn.Parameter):
                 continue  # functional_call's stand-in (MAML's fast weights): the loop made it, wrote no parameter
-            origin = tracer.origin_of(parameter)
-            if origin is None and tracer.literals:  # a number the code wrote into it (``w[0, 0] = float("nan")``)
-                origin = tracer.written_into(parameter, take=False)
+            origin = tracer.origin_of(parameter) or tracer.written_into(parameter, take=False)  # (w[0, 0] = nan)
             # (An optimizer's step made it: its check reports it. One the loop wrote finite again since, a Parameter
             # of ``torch.empty`` filled before its first use, is no event: one read, of a started one only.)
             if (not isinstance(origin, OpFinding) or origin.phase in (Phase.BACKWARD, Phase.OPTIMIZER)
                     or bool(torch.isfinite(parameter).all())):
                 continue
-            if tracer.claim(parameter) is None:
-                tracer.written_into(parameter)  # (the lifted number's finding made the tracer's)
+            _ = tracer.claim(parameter) or tracer.written_into(parameter)  # (a lifted number's finding: the tracer's)
             if origin.phase is Phase.FORWARD and origin.module is not None:
                 # A module's own forward wrote it in place (a max-norm constraint under no_grad), found here by the
                 # deferred check: the forward is the producer, as the immediate tracer names it at the op.
