@@ -90,6 +90,45 @@ def _state_written(kind: str, value: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+class _Grown(nn.Module):
+    """A model that gains a parameter mid-run (``self.extra``, added to the optimizer by ``add_param_group``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.extra: nn.Parameter | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.head(h) if self.extra is None else self.head(h) + h @ self.extra
+
+
+def _filled(value: float, how: str) -> Scenario:
+    """A parameter the loop fills before assigning it (``torch.empty(...).fill_(v)``): ``"grown"`` adds one to the
+    model and the optimizer at step 2, ``"reassigned"`` gives ``head.weight`` new memory (``w.data = ...``)."""
+    torch.manual_seed(0)
+    model = _Grown()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    xs, ys = _batches(6, 5), [torch.randint(0, 3, (6,)) for _ in range(STEPS)]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(STEPS):
+            if step == AT and how == "grown":
+                model.extra = nn.Parameter(torch.empty(8, 3).fill_(value))  # producer: grown filled
+                opt.add_param_group({"params": [model.extra], "lr": 0.001})
+            elif step == AT:
+                model.head.weight.data = torch.empty_like(model.head.weight).fill_(value)  # producer: data filled
+            loss = F.cross_entropy(model(xs[step % len(xs)]), ys[step])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    return Scenario((model, opt), run)
+
+
 def _state(key: str) -> Expect:
     return Expect("data", "0", "Linear", step=AT + 1, tensor=TensorRef(TensorRole.OPTIMIZER_STATE, "0.weight", key),
                   cause="parameter-already-nonfinite")
@@ -117,6 +156,17 @@ CASES = [
          _state("momentum_buffer"), modes=("default", "defer", "full")),
     Case("state_s46_sgd_momentum_buffer_scaled_by_inf_ops", lambda: _state_written("momentum", math.inf),
          _state("momentum_buffer"), modes=("ops",), marks=(pytest.mark.xfail(strict=True, reason=_OPS_LATE),)),
+    # (a filled parameter assigned, which no in-place write shows: the fill's replay, from a stand-in for the memory
+    # it overwrote; before session 46 the recorded modes replayed it on its own NaN: forward, already-bad, no op)
+    Case("state_s46_parameter_added_mid_run_filled_with_nan", lambda: _filled(math.nan, "grown"),
+         Expect("optimizer", "", "_Grown", step=AT, op="aten.fill_.Scalar", marker="grown filled",
+                cause="nonfinite-number")),
+    # (A fill of an infinity reads as a deliberate one, a mask's: no op made it; only a NaN fill is named.)
+    Case("state_s46_parameter_reassigned_memory_filled_with_nan", lambda: _filled(math.nan, "reassigned"),
+         Expect("optimizer", "head", "Linear", step=AT, op="aten.fill_.Scalar", marker="data filled",
+                cause="nonfinite-number")),
+    Case("state_s46_parameter_added_mid_run_filled_finite_healthy", lambda: _filled(0.0, "grown"), None),
+    Case("state_s46_parameter_reassigned_memory_filled_finite_healthy", lambda: _filled(0.01, "reassigned"), None),
     Case("state_s46_adam_state_written_finite_healthy", lambda: _state_written("adam", 0.5), None),
     Case("state_s46_adam_state_loaded_finite_healthy", lambda: _state_written("loaded", 0.0), None),
     Case("state_s46_sgd_momentum_buffer_scaled_finite_healthy", lambda: _state_written("momentum", 0.5), None),

@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.localize.ops.origins import OpFinding
+from nan_magic.localize.ops.plans import arguments, plan_of
 from nan_magic.localize.outside.recorded_ops import RecordedOp, WeakRecord, finite_now, record_key
 from nan_magic.localize.outside.region_records import RegionRecords
 
@@ -67,7 +68,7 @@ def _unexplained(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.
         if at is None:
             return None
         op = ops[at]
-        bad = next((read for value in tree_leaves((op.args, op.kwargs)) if (read := _tensor(value)) is not None
+        bad = next((read for value in _read_arguments(op) if (read := _tensor(value)) is not None
                     and read.is_floating_point() and not finite_now(read)), None)
         if bad is None:
             return at
@@ -82,6 +83,26 @@ def _unexplained(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.
     return None
 
 
+#: In-place ops that overwrite what they write without reading it: their target, non-finite now, is not an operand.
+_UNREAD_TARGETS = frozenset({"fill_", "zero_"})
+
+
+def _overwritten(op: RecordedOp) -> list[Any]:
+    """The arguments ``op`` overwrote without reading them (``w.fill_(nan)``, then ``nn.Parameter(w)`` assigned:
+    ``w`` is non-finite now because of it, not an operand that was); empty for any other op."""
+    func = op.func
+    plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
+    if plan is None or not (plan.overwrites or func.overloadpacket.__name__ in _UNREAD_TARGETS):
+        return []
+    return tree_leaves([value for name, value in arguments(plan, op.args, op.kwargs) if name in plan.writes])
+
+
+def _read_arguments(op: RecordedOp) -> list[Any]:
+    """The values ``op`` read: every argument, but those it overwrote without reading (:func:`_overwritten`)."""
+    unread = {id(value) for value in _overwritten(op)}
+    return [value for value in tree_leaves((op.args, op.kwargs)) if id(value) not in unread]
+
+
 def claim_assigned(records: RegionRecords | None, tensor: torch.Tensor) -> OpFinding | None:
     """The recorded op that made the memory ``tensor`` (a parameter) was assigned, run again on its operands as they
     are now under the op tracer (records.claim's replay, of that one op); None where no recorded op explains it.
@@ -94,5 +115,10 @@ def claim_assigned(records: RegionRecords | None, tensor: torch.Tensor) -> OpFin
         at = _unexplained(ops, produced, tensor) if ops else None
         if at is not None:
             target = next((key for key in map(record_key, tree_leaves(ops[at].out)) if key is not None), None)
-            return records._claim_ops([ops[at]], rng, {}, target, ops)
+            # (What it overwrote unread is replayed from a finite stand-in: as it is now, it holds the op's own NaN.)
+            stand_ins: dict[int, torch.Tensor] = {}
+            for value in _overwritten(ops[at]):
+                if (key := record_key(value)) is not None and (written := _tensor(value)) is not None:
+                    stand_ins[key] = torch.zeros_like(written)
+            return records._claim_ops([ops[at]], rng, stand_ins, target, ops)
     return None
