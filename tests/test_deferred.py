@@ -23,7 +23,7 @@ from watching import attributes_read, raised
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.hot import reads
-from nan_magic.hot.checks import optim
+from nan_magic.hot.checks import optim, optim_reports
 from nan_magic.hot.kept import step_log as calls
 from nan_magic.lifecycle import watch
 from nan_magic.records import TensorRef, TensorRole
@@ -42,7 +42,7 @@ def transfers(monkeypatch):
         count["reads"] += 1
         return real(scalars)
 
-    for module in (calls, watch, optim):
+    for module in (calls, watch, optim, optim_reports):  # (optim_reports: a step result read at once, or at the end)
         if hasattr(module, "read_scalars"):
             monkeypatch.setattr(module, "read_scalars", counting)
 

@@ -162,7 +162,7 @@ def test_a_question_mark_count_is_said_and_not_called_a_tensor_without_finite_va
     row = next(line for line in text.splitlines() if "head (Linear)" in line)
     assert row.split()[2] == "?"
     legend = _legend(report)
-    assert "a ? count is a kind the tensor held, not counted: it was freed before the report was built" in legend
+    assert "a ? count is a kind the tensor held, its number unknown: it was freed before the report was built" in legend
     assert "held no finite value" not in legend
 
 

@@ -118,8 +118,9 @@ def missing_note(layers: Sequence[LayerCall], moments: bool = True) -> str:
         parts.append(f"{ranges} are empty where the tensor was counted but its range not read (a gradient checked "
                      "by its sum, and freed before the report was built)")
     if "uncounted" in why:
-        parts.append("a ? count is a kind the tensor held, not counted: it was freed before the report was built, "
-                     "and its probe (a min and a max) shows which kinds it held, not how many nor its finite range")
+        parts.append("a ? count is a kind the tensor held, its number unknown: it was freed before the report was "
+                     "built, and its probe (a min and a max) shows which kinds it held, not how many nor its finite "
+                     "range")
     if moments and any(layer.stats is not None and layer.stats.min is not None and layer.stats.mean is None
                        for layer in layers):
         parts.append(f"empty mean and std were not measured: {MOMENTS_NOTE}")
