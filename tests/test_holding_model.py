@@ -47,7 +47,9 @@ def test_a_gradient_two_models_share_is_named_where_its_name_is(mode: str) -> No
             opt_b.step()
             opt_a.step()
     report = caught.value.report
-    assert (report.step, report.module, report.module_type, report.model) == (1, "head", "Linear", "Head"), \
+    # (Since session 46 the loop's line that wrote the NaN is the producer, outside every module, as for a gradient
+    # its mul_ wrote: the model holding the shared gradient is still the one named, with the gradient's name in it.)
+    assert (report.step, report.module, report.model, report.op) == (1, None, "Head", "aten.lift_fresh.default"), \
         report.message
     assert report.tensor.name == "head.weight"
 
