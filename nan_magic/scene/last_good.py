@@ -146,26 +146,15 @@ class LastGood:
         """
         if self.where is None:
             return
-        kept = self._kept
-        with torch.no_grad():
-            for _label, module in roots:
-                # The state two captures ago is overwritten; the last capture's becomes the one before.
-                _, spare = self._before.pop(id(module), (None, None))
-                last = kept.models.get(id(module))
-                if last is not None:
-                    self._before[id(module)] = last
-                kept.models[id(module)] = (weakref.ref(module), _copy_state(spare, module.state_dict(), self.where))
-            for optimizer in optimizers:
-                _, old = kept.optimizers.get(id(optimizer), (None, None))
-                kept.optimizers[id(optimizer)] = (
-                    weakref.ref(optimizer),
-                    _copy_state(old, optimizer.state_dict(), self.where),
-                )
+        # The models' state two captures ago is written over (the last capture's becomes the one before), the
+        # optimizers' kept state in place: one copy a step.
+        copies = _copied(_Kept(models=self._before, optimizers=self._kept.optimizers), roots, optimizers, self.where)
         # The optimizer hooks count a step as its post hook begins: right
         # after it, as at the next step's deferred check, the counter has
         # moved on past the step that just completed.
-        self._before_step, kept.step = kept.step, step - 1
-        kept.rng = capture_rng_state() if right_after else None
+        copies.step, copies.rng = step - 1, capture_rng_state() if right_after else None
+        self._keep(copies)
+        self._spare = _Kept()  # (its buffers may be the ones just kept: a deferred step read at once, stage after)
 
     def stage(
         self, roots: Iterable[tuple[str | None, nn.Module]], optimizers: Iterable[torch.optim.Optimizer], step: int
@@ -174,15 +163,8 @@ class LastGood:
         keeps it once the check finds the step finite. ``step`` is the watch's counter, as for :meth:`capture`."""
         if self.where is None:
             return
-        spare, self._spare, staged = self._spare, _Kept(), _Kept()
-        with torch.no_grad():
-            for _label, module in roots:
-                _, old = spare.models.get(id(module), (None, None))
-                staged.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), self.where))
-            for optimizer in optimizers:
-                _, old = spare.optimizers.get(id(optimizer), (None, None))
-                staged.optimizers[id(optimizer)] = (
-                    weakref.ref(optimizer), _copy_state(old, optimizer.state_dict(), self.where))
+        spare, self._spare = self._spare, _Kept()
+        staged = _copied(spare, roots, optimizers, self.where)
         staged.step, staged.rng = step - 1, capture_rng_state()
         if self._staged is not None:  # (never judged: a watch that went on past an event) its buffers reused
             self._spare = self._staged
@@ -194,10 +176,13 @@ class LastGood:
         staged, self._staged = self._staged, None
         if staged is None:
             return
-        kept = self._kept
-        self._spare = _Kept(models=self._before, optimizers=kept.optimizers)
-        self._before, self._before_step = dict(kept.models), kept.step
-        self._kept = staged
+        self._spare = _Kept(models=self._before, optimizers=self._kept.optimizers)
+        self._keep(staged)
+
+    def _keep(self, copies: _Kept) -> None:
+        """``copies`` become the kept state, the kept models' the state before it."""
+        self._before, self._before_step = dict(self._kept.models), self._kept.step
+        self._kept = copies
 
     def hand_over(self) -> _Kept:
         """Give up the kept state (to the registry); later captures start afresh.
@@ -254,6 +239,20 @@ def restore(report: Report) -> None:
             f"the watch, and only for the {KEPT_REPORTS} most recent reports"
         )
     kept.restore()
+
+
+def _copied(reuse: _Kept, roots: Iterable[tuple[str | None, nn.Module]],
+            optimizers: Iterable[torch.optim.Optimizer], where: str | None) -> _Kept:
+    """The models' and optimizers' state copied now, into ``reuse``'s buffers where they fit."""
+    copies = _Kept()
+    with torch.no_grad():
+        for _label, module in roots:
+            _, old = reuse.models.get(id(module), (None, None))
+            copies.models[id(module)] = (weakref.ref(module), _copy_state(old, module.state_dict(), where))
+        for optimizer in optimizers:
+            _, old = reuse.optimizers.get(id(optimizer), (None, None))
+            copies.optimizers[id(optimizer)] = (weakref.ref(optimizer), _copy_state(old, optimizer.state_dict(), where))
+    return copies
 
 
 def _copy_state(old: Any, new: Any, where: str | None) -> Any:
