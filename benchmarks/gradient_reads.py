@@ -31,7 +31,7 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 
 def _ways(grads: list[torch.Tensor], kept: torch.Tensor, views: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
-    def flat_dot() -> object:  # the watch's (optim.py's _gradient_norms)
+    def flat_dot() -> object:  # the watch's (step_checks.py's _gradient_norms)
         flat = _flatten(grads)
         return torch.dot(flat, flat).sqrt_()
 

@@ -1,6 +1,6 @@
 """A buffer written non-finite by a forward (issue 25 item 3): the op that wrote it, at its line.
 
-The running statistics are read at the optimizer step (hot/checks/running_stats.py), by value; the default watch
+The running statistics are read at the optimizer step (optimizer/running_stats.py), by value; the default watch
 then runs the step's model call again from the buffers (replay/buffer_writes.py) and names the op that left the
 buffer non-finite (or, where that op only wrote a value already non-finite, the op that made it), with the line
 the op tracer's rule gives any op: the user's innermost line (a user's ``self.avg_sq.mul_(0.9).add_(...)``), or,

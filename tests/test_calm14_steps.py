@@ -137,7 +137,7 @@ def test_healthy_parameters_that_stress_the_step_checks_one_sum_are_calm(name: s
 def test_those_steps_take_the_one_sum_and_its_fallback(name: str, monkeypatch) -> None:
     # The cases above reach the code they stress: immediate RMSprop's checks read one sum (optim.read_step_result),
     # non-finite for the huge parameters (then measured one by one), finite with dtypes mixed since the layout.
-    from nan_magic.hot.checks import optim
+    from nan_magic.hot.checks.optimizer import step_checks as optim
 
     seen: list[tuple[bool, bool]] = []
     read = optim.read_step_result

@@ -99,8 +99,8 @@ _OVERWRITTEN = ("the deferred check reads the batch at opt.step(), after the loo
 _CARRIED = ("at the loop's last step an optimizer step's result is judged as the watch is left, after the function "
             "running the loop returned: %debug opens where that check runs (the watch's exit), not at opt.step(), "
             "because holding a function's frame for it would keep its locals (the batch, the logits) alive into the "
-            "next step on every step (optim.py holds only a cell's or a script's top-level frame, whose locals are "
-            "its globals)")
+            "next step on every step (step_checks.py holds only a cell's or a script's top-level frame, whose "
+            "locals are its globals)")
 _RETURNED = ("the helper that called the model (a loss_of lambda) has returned by the check: its frame is gone, and "
              "%debug opens where the step was judged (docs/how-it-watches.md: a helper, deferred)")
 

@@ -11,7 +11,7 @@ Fixed in this round:
   finite, and named the model's output, no op, no line, no fix; it starts from the copy the update region took
   before the user's write now (StepReplays._inputs_as_read; contract rows defer28 and defer_s29_static_buffer_*);
 - two optimizers stepping at different cadences (the head's every step, the body's every 2nd): every other step
-  was reported one step early, in both timings (hot/checks/iterations.py: a member an iteration closed without is
+  was reported one step early, in both timings (optimizer/iterations.py: a member an iteration closed without is
   dropped, not waited for again);
 - a NaN batch a DataLoader gave, judged at the deferred check and localized by fetching its samples again: %debug
   opened at ``opt.step()``, not at the loop's model call (lifecycle/watch_events.py: the model's caller is taken
@@ -30,7 +30,7 @@ from torch import nn
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.hot.checks.iterations import Iterations
+from nan_magic.hot.checks.optimizer.iterations import Iterations
 
 _INCIDENTS = {case.name: case for case in defer_s29.CASES if case.expect is not None}
 

@@ -245,8 +245,8 @@ def test_a_fused_step_under_a_grad_scaler_whose_scale_grew_reads_once_a_step(sca
     scaled; an fp32 or bf16 run's scale only grows (nothing overflows to back it off), past 1e18 in a long run, and
     the rule that reads a step after gradients of 1e18 as it ends read each such healthy step twice (one host sync
     more a step on CUDA). One read a step, and the run bit-identical to unwatched."""
-    import nan_magic.hot.checks.optim as optim_checks
-    import nan_magic.hot.checks.optim_reports as optim_reports
+    import nan_magic.hot.checks.optimizer.step_checks as optim_checks
+    import nan_magic.hot.checks.optimizer.step_reports as optim_reports
     import nan_magic.hot.timing as timing
     from nan_magic.hot import reads
     from nan_magic.hot.kept.step_log import StepLog

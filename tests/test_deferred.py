@@ -23,7 +23,8 @@ from watching import attributes_read, raised
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.hot import reads
-from nan_magic.hot.checks import optim, optim_reports
+from nan_magic.hot.checks.optimizer import step_checks as optim
+from nan_magic.hot.checks.optimizer import step_reports as optim_reports
 from nan_magic.hot.kept import step_log as calls
 from nan_magic.lifecycle import watch
 from nan_magic.records import TensorRef, TensorRole
@@ -49,7 +50,7 @@ def transfers(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a per-tensor host read in a healthy deferred step")
 
-    from nan_magic.hot.checks import gradients
+    from nan_magic.hot.checks.backward import gradient_checks as gradients
 
     for module in (watch, gradients, optim):
         for name in PER_TENSOR_READS:

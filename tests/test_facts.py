@@ -78,7 +78,7 @@ def _huge_learning_rate() -> Report:
 
 
 def test_a_parameter_the_optimizer_made_non_finite_is_named_by_its_reference() -> None:
-    # optim.py took the parameter's name from the label's last word, and its owner from the name.
+    # step_checks.py took the parameter's name from the label's last word, and its owner from the name.
     report = _huge_learning_rate()
     assert report.phase == "optimizer" and report.tensor.role is TensorRole.PARAMETER
     assert report.tensor.name in ("fc.weight", "fc.bias") and report.module == "fc"

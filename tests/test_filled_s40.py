@@ -1,4 +1,4 @@
-"""The fill rule (hot/checks/filled.py): a non-finite gradient into a model output is no event only where every
+"""The fill rule (hot/checks/backward/filled.py): a non-finite gradient into a model output is no event only where every
 non-finite entry sits at the output's deliberate fill, made by a masked_fill or where that drops it.
 
 The rule on its own (a record built as the forward builds it), then whole loops in the five modes: what a user's
@@ -13,7 +13,7 @@ from torch import nn
 from watching import FIVE_MODES, raised
 
 import nan_magic
-from nan_magic.hot.checks.filled import dropped_by_its_fill
+from nan_magic.hot.checks.backward.filled import dropped_by_its_fill
 from nan_magic.hot.kept.call_records import TensorRecord
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py: small models, torch on one thread)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.checks.step_layout import largest_decay
+from nan_magic.hot.checks.optimizer.step_layout import largest_decay
 from nan_magic.records import Phase, Report, StepSummary, TensorRef
 
 

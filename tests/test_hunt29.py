@@ -574,7 +574,7 @@ def test_a_loop_write_of_a_large_counter_is_named_and_not_said_to_be_an_optimize
 @pytest.mark.parametrize("options", TIMINGS)
 def test_an_update_that_overflows_a_parameter_made_half_mid_training_is_the_optimizer_s(options) -> None:
     # model.half() converts param.data in place (the Parameter objects and their ids stay): the optimizer's cached
-    # layout is rebuilt for the new dtype (hot/checks/optim.layout), so the step's check sees the float16 update.
+    # layout is rebuilt for the new dtype (optimizer/step_checks.layout), so the step's check sees the float16 update.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.001)

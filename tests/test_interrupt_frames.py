@@ -47,9 +47,9 @@ for step in range(3):
 #: wrapped backward's start, inside the optimizer's pre-hook and post-hook.
 INSIDE = [
     "nan_magic.hot.kept.step_log.StepLog.new_call",
-    "nan_magic.hot.checks.gradients.is_checkable",
-    "nan_magic.hot.checks.optim.OptimizerChecks.on_step_pre",
-    "nan_magic.hot.checks.optim.OptimizerChecks.on_step_post",
+    "nan_magic.hot.checks.backward.gradient_checks.is_checkable",
+    "nan_magic.hot.checks.optimizer.step_checks.OptimizerChecks.on_step_pre",
+    "nan_magic.hot.checks.optimizer.step_checks.OptimizerChecks.on_step_post",
 ]
 
 
@@ -70,7 +70,7 @@ def test_an_interrupt_inside_a_watch_hook_shows_none_of_our_frames(ip: Any, opti
         text = shown(ip, "%%nantrace" + options + LOOP.format(stop="False"))
     ours = [line for line in text.splitlines() if "nan_magic" in line and line.startswith("File ")]
     assert not ours, text
-    if inside.endswith("gradients.is_checkable"):
+    if inside.endswith("gradient_checks.is_checkable"):
         # The backward's patch runs its callbacks with no Python frame of its own (patches/registry.py SelfGated):
         # the traceback ends at the user's backward() line, nothing of ours hidden or shown.
         assert text.rstrip().endswith("KeyboardInterrupt:") and "----> 4     opt.zero_grad(); loss.backward()" in text

@@ -118,7 +118,7 @@ def _one_linear(weight: list[float], bias: float) -> nn.Sequential:
 @pytest.mark.parametrize("options", TIMINGS)
 def test_a_small_models_step_check_names_the_parameter_the_step_made_non_finite(options: dict[str, bool]) -> None:
     # A small CPU float32 model's parameters are checked after the step as one sum of their concatenation
-    # (optim.py's _step_result, immediate mode): a non-finite sum is measured one parameter at a time.
+    # (step_checks.py's _step_result, immediate mode): a non-finite sum is measured one parameter at a time.
     # The second parameter is the one: the sum is not read as the first's value.
     model = _one_linear([1.0, 1.0], 0.0)
     opt = torch.optim.SGD(model.parameters(), lr=1e34)  # bias -= 1e34 * 1e5: -inf; the weight's gradient is 0

@@ -18,8 +18,9 @@ from watching import amp_training, raised
 
 import nan_magic
 from nan_magic import NonFiniteError
-from nan_magic.hot.checks import forward, optim
-from nan_magic.hot.checks.optim import COLLAPSE_SKIPS, FULL_CHECK_EVERY
+from nan_magic.hot.checks import forward
+from nan_magic.hot.checks.optimizer import step_checks as optim
+from nan_magic.hot.checks.optimizer.step_checks import COLLAPSE_SKIPS, FULL_CHECK_EVERY
 from nan_magic.hot.kept import rng
 from nan_magic.records import TensorRef, TensorRole
 
@@ -389,7 +390,7 @@ def test_a_float32_state_that_huge_finite_gradients_overflowed_is_named(defer: b
 @pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
 def test_gradients_below_the_bound_leave_float32_state_unread(defer: bool) -> None:
     # The extra pass over the state is paid only at a step whose gradients reach BOUNDED_GRAD_NORM.
-    from nan_magic.hot.checks import optim
+    from nan_magic.hot.checks.optimizer import step_checks as optim
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
@@ -468,7 +469,7 @@ def test_a_step_that_is_not_bounded_is_checked_at_once(lr: float) -> None:
 @pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
 def test_a_schedule_that_changes_lr_every_step_keeps_the_bounded_verdict_right(opt_class) -> None:
     """The verdict on all but lr is cached; a new lr each step is judged alone, and a change elsewhere afresh."""
-    from nan_magic.hot.checks.step_layout import Layout, bounded_step
+    from nan_magic.hot.checks.optimizer.step_layout import Layout, bounded_step
 
     weight = nn.Parameter(torch.ones(3))
     extra = {"momentum": 0.9} if opt_class is torch.optim.SGD else {}
@@ -706,7 +707,7 @@ def test_grad_scaler_whose_scale_keeps_collapsing_raises() -> None:
     assert len(w.events) == COLLAPSE_SKIPS + 1  # the benign skips, then the raise
 
 
-# -- gradients measured in backward ("hot gradients", optim.py) -------------------------
+# -- gradients measured in backward ("hot gradients", step_checks.py) -------------------------
 
 
 def _wide_model() -> nn.Module:

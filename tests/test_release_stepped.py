@@ -1,6 +1,6 @@
 """When a step's model calls are let go: once an optimizer has stepped every trainable parameter of the model.
 
-The optimizer's parameters are the set its layout holds (hot/checks/layouts.py, made once a layout, hot17), not a
+The optimizer's parameters are the set its layout holds (optimizer/layouts.py, made once a layout, hot17), not a
 set built at every step: these pin that the release still follows the parameter list as the loop changes it (a
 parameter swapped into the list in place, one taken out), a second optimizer (a GAN's), an optimizer the watch does
 not check, and both timings.

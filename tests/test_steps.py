@@ -122,7 +122,7 @@ def test_a_gan_event_after_the_discriminators_step_is_in_the_same_iteration(bad_
 
 def test_a_gan_whose_optimizers_were_not_passed_learns_its_iteration_from_the_first_one() -> None:
     # Unpassed, the generator's optimizer is unknown until it first steps: iteration 0 runs one ahead
-    # (nan_magic/hot/checks/iterations.py); from then on, in step. Either way the producer is named (_gan_fault_step):
+    # (optimizer/iterations.py); from then on, in step. Either way the producer is named (_gan_fault_step):
     # in iteration 0 the generator's call, made while no optimizer had stepped, is kept while its output lives.
     assert _gan_fault_step(2, pass_optimizers=False) == 2
     assert _gan_fault_step(0, pass_optimizers=False) == 1
@@ -130,7 +130,7 @@ def test_a_gan_whose_optimizers_were_not_passed_learns_its_iteration_from_the_fi
 
 def _indexes(sequence: str, passed: str = "") -> list[int]:
     """The iteration index each optimizer step of ``sequence`` (one letter per optimizer) is counted in."""
-    from nan_magic.hot.checks.iterations import Iterations
+    from nan_magic.hot.checks.optimizer.iterations import Iterations
 
     optimizers = {name: torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1) for name in set(sequence + passed)}
     iterations = Iterations(optimizers[name] for name in passed)
@@ -158,7 +158,7 @@ def test_iterations_are_counted_when_every_optimizer_taking_part_has_stepped() -
 def test_an_optimizer_that_skips_iterations_does_not_close_them(sequence: str, passed: str,
                                                                  completed: list[int]) -> None:
     """Iterations completed as each iteration (space-separated, its optimizers' steps by letter) starts."""
-    from nan_magic.hot.checks.iterations import Iterations
+    from nan_magic.hot.checks.optimizer.iterations import Iterations
 
     optimizers = {name: torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1) for name in "HB"}
     iterations, seen = Iterations(optimizers[name] for name in passed), []

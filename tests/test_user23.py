@@ -37,7 +37,8 @@ for step in range(3):
 #: hook's entry, in the checks it calls, whose frames are not marked hidden (only the entry is).
 DEEP_IN_A_HOOK = [
     "nan_magic.hot.checks.early.EarlyWarnings.observe_batch",  # forward pre-hook > record_data > _judge_data > here
-    "nan_magic.hot.checks.optim.OptimizerChecks._gradient_norms",  # optimizer pre-hook > on_step_pre > here
+    # optimizer pre-hook > on_step_pre > here:
+    "nan_magic.hot.checks.optimizer.step_checks.OptimizerChecks._gradient_norms",
 ]
 
 
@@ -57,7 +58,7 @@ def traceback_shown(ip: Any, cell: str) -> str:
 ])
 def test_an_interrupt_deep_in_a_hook_shows_no_frame_of_ours(ip: Any, inside: str, armed: str) -> None:
     """The user pressed stop during a watched step; the traceback named nan_magic's files (early.py:255 in
-    _constant_feature, optim.py:198 in _gradient_norms) as if nan_magic had failed. Now it ends at the user's
+    _constant_feature, step_checks.py:198 in _gradient_norms) as if nan_magic had failed. Now it ends at the user's
     line and torch's call of the hook."""
     ip.run_cell(SETUP)
     held = armed.startswith("%nanwatch")

@@ -265,8 +265,9 @@ def test_a_nested_watchs_log_mode_event_is_the_outer_watchs_report(outer_targets
 
 
 def test_an_early_warning_in_warn_mode_is_placed_at_the_users_line() -> None:
-    """A loss spike in ``on_detect="warn"``: printed as ``nan_magic/hot/checks/optim.py:315: NanMagicWarning: the
-    loss reached ...`` with our source line under it, where the events' warnings name the user's line."""
+    """A loss spike in ``on_detect="warn"``: printed as
+    ``nan_magic/hot/checks/optimizer/step_checks.py:315: NanMagicWarning: the loss reached ...`` with our source line
+    under it, where the events' warnings name the user's line."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

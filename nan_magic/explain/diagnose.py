@@ -45,7 +45,7 @@ Labels (exact strings: tests, renderers and users rely on them)
     above sqrt(max), or attention scores q·kᵀ that can pass the max. Or an
     optimizer's float32 state (Adam's ``exp_avg_sq``) past the max while its
     parameter stays finite: gradients of about 1e19 and more. Or, set by the
-    watch (``hot/checks/running_stats.py``), a BatchNorm's running statistic
+    watch (``hot/checks/optimizer/running_stats.py``), a BatchNorm's running statistic
     past the max while training went on with the batch's own statistics. Also the upstream reading a rising loss
     would otherwise call divergence: an overflow in the loop's code outside the model of a value far larger than the
     model's outputs (a multiplier or scale the loop grows each step) or a quotient by a number the loop shrank (a
@@ -95,7 +95,7 @@ Labels (exact strings: tests, renderers and users rely on them)
     non-finite values and the step's outputs, loss, gradients and parameters stayed finite (the model imputes
     NaN-coded missing values itself); one event for the run, counting the steps.
 ``grad-scaler-collapse``
-    Set by the watch (``optim.py``) when a GradScaler's scale keeps
+    Set by the watch (``step_checks.py``) when a GradScaler's scale keeps
     collapsing; :func:`diagnose` is only called where no cause is set.
 ``unclassified``
     No rule matches, or more than one reading fits; the hint says which.
@@ -226,7 +226,7 @@ def _local_cause(report: Report) -> Cause:
             (by_op := forward_cause(report)).label != "unclassified"):
         return by_op  # a forward's in-place write made it (a max-norm constraint's 0 / 0): the op says why
     if report.tensor.role is TensorRole.PARAMETER or (
-        # Optimizer state a bounded step found non-finite (hot/checks/optim_reports.py): loaded so, or written.
+        # Optimizer state a bounded step found non-finite (hot/checks/optimizer/step_reports.py): loaded so, or written.
         report.tensor.role is TensorRole.OPTIMIZER_STATE and report.phase == Phase.DATA
     ) or (
         # A buffer the module read non-finite (localize/producer.py), not one a check found after the step.

@@ -22,9 +22,9 @@ import torch
 from nan_magic.distributed.agreement import Agreement
 from nan_magic.distributed.lockstep import Lockstep
 from nan_magic.errors.exceptions import NonFiniteError
-from nan_magic.hot.checks.gradients import GradientChecks
+from nan_magic.hot.checks.backward.gradient_checks import GradientChecks
 from nan_magic.hot.checks.hosts import OriginFinder, WhenJudged
-from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.checks.optimizer.step_checks import OptimizerChecks
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.records import Note, Phase, TensorRef, TensorRole
@@ -113,7 +113,7 @@ class CycleExit:
         return explained or left
 
     def _raise_held_overflow(self, exc: BaseException) -> NonFiniteError | None:
-        """A backward event a GradScaler held (optim.py) when reading those gradients raised before the scaler decided
+        """A backward event a GradScaler held when reading those gradients raised before the scaler decided
         on the step (``clip_grad_norm_(error_if_nonfinite=True)`` after ``unscale_``): raised as it was found. Any
         other error of the user's (logging, an early stop, the data running out) is theirs: the held overflow may be
         the scaler's usual one, which it would have skipped."""

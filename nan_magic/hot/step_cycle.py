@@ -30,10 +30,10 @@ from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NanMagicWarning
 from nan_magic.errors.frames import place_at_user
 from nan_magic.errors.warning_lines import warn_at_user
+from nan_magic.hot.checks.backward.gradient_checks import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.early import EarlyWarnings
-from nan_magic.hot.checks.gradients import GradientChecks, check_parameter_grads
 from nan_magic.hot.checks.hosts import CodeRecorder, OriginFinder, StepReplayer, WhenJudged
-from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.checks.optimizer.step_checks import OptimizerChecks
 from nan_magic.hot.cycle_exit import CycleExit, Outcome
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding
@@ -270,7 +270,7 @@ class StepCycle(CycleExit):
             self.warnings.append(warning)
             if self.config.on_detect == "warn":
                 # At the user's line (``opt.step()``), as the events' warnings are: a fixed level named a line of
-                # ours (hot/checks/optim.py), its source printed under it, and a filter by module missed it.
+                # ours (optimizer/step_checks.py), its source printed under it, and a filter by module missed it.
                 try:
                     warn_at_user(warning.message)
                 except NanMagicWarning as raised:  # (-W error: raised at that line too, not in our hook's frames)
@@ -327,7 +327,7 @@ class StepCycle(CycleExit):
         """After an inference step under a process group: stop if another rank posted an event (agreement.py)."""
         self.outcome.check_peers()
 
-    # -- the optimizer step (see optim.py) -----------------------------------------------------
+    # -- the optimizer step (see step_checks.py) -----------------------------------------------------
 
     def on_step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The optimizer step's checks, then this step's agreement with the other ranks (agreement.py)."""
@@ -407,7 +407,7 @@ class StepCycle(CycleExit):
                 outside.data_after_hooks(self._data_mark, held, aside)
 
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> None:
-        """A GradScaler skipped ``optimizer``'s step (optim.py): the step's backward is settled now.
+        """A GradScaler skipped ``optimizer``'s step (step_checks.py): the step's backward is settled now.
 
         In deferred mode the backward's probes are read first (the read the skipped step's optimizer hook would have
         made), so the held event names where the gradients overflowed.

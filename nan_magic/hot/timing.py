@@ -44,7 +44,7 @@ from nan_magic.options import WatchConfig
 from nan_magic.records import Note, Phase
 
 if TYPE_CHECKING:
-    from nan_magic.hot.checks.gradients import GradientChecks
+    from nan_magic.hot.checks.backward.gradient_checks import GradientChecks
     from nan_magic.hot.checks.hosts import CodeRecorder
     from nan_magic.hot.kept.call_records import Call
     from nan_magic.hot.step_cycle import StepCycle
@@ -83,7 +83,7 @@ class Timing:
     #: Whether a record keeps its probe on the device until the step's check (call_records.TensorRecord):
     #: the one fact the per-record hot path reads, as a plain attribute.
     holds_probes = False
-    #: Whether large CPU gradients are measured in backward, while in cache (optim.py's "Hot gradients"): the
+    #: Whether large CPU gradients are measured in backward, while in cache (step_checks.py's "Hot gradients"): the
     #: immediate mode's. The deferred mode's steps run on a GPU, whose fused read is one kernel, or under a
     #: process group, whose gradients the reduction rewrites after they accumulate.
     measures_in_backward = False
@@ -148,7 +148,7 @@ class Timing:
         outside.start("data")
 
     def carries_step_result(self, bounded: bool, wild: Callable[[], bool]) -> bool:
-        """Whether an optimizer step's result is read with the next check, not now (optim.py).
+        """Whether an optimizer step's result is read with the next check, not now (step_checks.py).
 
         ``bounded``: the step cannot make a parameter non-finite;
         ``wild()``: its hyperparameters can (step_layout.py), so it is read now.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from nan_magic.explain.diagnose import diagnose
-from nan_magic.hot.checks.step_layout import largest_decay
+from nan_magic.hot.checks.optimizer.step_layout import largest_decay
 from nan_magic.hot.kept.call_records import Call, TensorRecord
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.kept.step_log import StepLog

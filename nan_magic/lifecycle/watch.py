@@ -43,10 +43,10 @@ from nan_magic.distributed.ranks import data_parallel_paths, user_name
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.errors.frames import cut_at_placed, cut_where_passed_through, leaving_entry
 from nan_magic.explain.norm_stats import nonfinite_norm_stats
+from nan_magic.hot.checks.backward.gradient_checks import GradientChecks
 from nan_magic.hot.checks.forward import ForwardChecks
-from nan_magic.hot.checks.gradients import GradientChecks
 from nan_magic.hot.checks.hosts import LossCodeReads
-from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.checks.optimizer.step_checks import OptimizerChecks
 from nan_magic.hot.kept.call_records import Frame
 from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.kept.step_log import StepLog
@@ -406,7 +406,7 @@ class Watch(WatchEvents):
         self.origins.written_gradient = self.update_code.claim_gradient
         self.origins.lr_source = self.update_code.name_lr
         rule.assigned = self.update_code.claim_assigned  # (a parameter the loop assigned: outside/assigned.py)
-        rule.unchecked_step = self.optimizers.check_unchecked_of  # (a bounded step's skipped check: optim.py)
+        rule.unchecked_step = self.optimizers.check_unchecked_of  # (a bounded step's skipped check: step_checks.py)
         self.cycle: StepCycle = StepCycle(
             self.config, self.timing, self.log, self.history, self.warnings, roots=self._roots,
             gradients=self.gradients, optimizers=self.optimizers, judge_forward=self.forward.rule.judge,
@@ -469,7 +469,7 @@ class Watch(WatchEvents):
         """
         return self._active and not self.call_replay.replaying
 
-    # -- backward and optimizer (see gradients.py, optim.py) -------------------------
+    # -- backward and optimizer (see gradient_checks.py, step_checks.py) -------------------------
 
     def _phase_hint(self) -> Phase | None:
         """The op tracer's phase for an op outside the autograd engine: the optimizer's while it steps."""

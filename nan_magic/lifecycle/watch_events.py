@@ -25,9 +25,9 @@ from torch import nn
 from nan_magic.distributed.ranks import stamp
 from nan_magic.errors.exceptions import NonFiniteError
 from nan_magic.fixes.runner import KeptStep, LossSource, untried, with_fixes
+from nan_magic.hot.checks.backward.gradient_checks import GradientChecks
 from nan_magic.hot.checks.forward import ForwardChecks
-from nan_magic.hot.checks.gradients import GradientChecks
-from nan_magic.hot.checks.optim import OptimizerChecks
+from nan_magic.hot.checks.optimizer.step_checks import OptimizerChecks
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.kept.held import running_arguments
 from nan_magic.hot.kept.step_log import StepLog

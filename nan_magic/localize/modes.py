@@ -31,7 +31,7 @@ from contextlib import ExitStack
 
 import torch
 
-from nan_magic.hot.checks.optim_reports import ReplayStep
+from nan_magic.hot.checks.optimizer.step_reports import ReplayStep
 from nan_magic.hot.watched.eager_stance import eager_stance
 from nan_magic.localize.op_origins import OpOrigins
 from nan_magic.localize.ops.tracer import OpTracer

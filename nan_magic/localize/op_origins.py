@@ -8,7 +8,7 @@ answers, for a non-finite tensor at a boundary (a module output, the loss, a
 gradient, a parameter, the batch), which op started it.
 
 Who calls whom: the producer rule (producer.py), the gradient checks
-(gradients.py), the optimizer checks (optim.py) and the step replay
+(gradient_checks.py), the optimizer checks (step_checks.py) and the step replay
 (replay/tiered/step.py) call it; it calls back only the callables the watch gave it
 (``emit``, ``on_gradient_event``, ``info_by_name``), never a checker.
 """

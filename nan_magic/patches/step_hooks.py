@@ -41,7 +41,7 @@ from typing import Any
 from torch.optim import optimizer as optimizers
 from torch.utils.hooks import RemovableHandle
 
-from nan_magic.hot.checks.step_layout import global_users_hooks, runs_user_hooks
+from nan_magic.hot.checks.optimizer.step_layout import global_users_hooks, runs_user_hooks
 
 __all__ = ["optimizer_step_hooks"]
 

@@ -11,7 +11,7 @@ whose backward is NaN only at those masked entries of the model output's gradien
 
 A non-finite gradient into a model output whose every non-finite entry sits where that output holds the -inf the
 forward judged deliberate, made by a fill whose backward drops it (a masked_fill, a where), is no event in any mode
-(hot/checks/filled.py, session 40). Earlier attempts were taken back: reading the output's ``MaskedFillBackward0``
+(backward/filled.py, session 40). Earlier attempts were taken back: reading the output's ``MaskedFillBackward0``
 mask (60a2df14: a saved tensor that activation checkpointing packs is unpacked once, and the user's backward then
 raised), and judging what the consuming node returns (masks-s39: a dead ReLU's backward drops an infinite gradient
 into a model output, which is an event). The attention pooling row still stops in full and ops-defer (its output is
@@ -169,7 +169,7 @@ def _checkpointed() -> Scenario:
 _FREED = ("a healthy loop stopped: the scorer's -inf-filled output is a temporary of the model's forward that nothing "
           "holds (the softmax after it saves its own output), so when the NaN gradient into it is judged (full: in "
           "backward; ops-defer: at the check) the output is gone, and which entries were filled cannot be told; the "
-          "watch keeps no output alive to tell it (hot/checks/filled.py)")
+          "watch keeps no output alive to tell it (hot/checks/backward/filled.py)")
 
 CASES = [
     Case("calm_s38_softmax_of_a_fully_masked_row_replaced_by_where", lambda: _softmax_zero_rows("where"), None),

@@ -1303,7 +1303,7 @@ CASES += [
     Case("hunt16_running_var_as_a_plain_attribute_last_batch_of_one", _attribute_norm,
          Expect("forward", "1", "AttributeNorm", step=2, op="aten.var.correction", marker="attribute var"),
          marks=(pytest.mark.xfail(strict=True, reason=(
-             "a plain tensor attribute is no boundary and no buffer (hot/checks/running_stats.py reads registered "
+             "a plain tensor attribute is no boundary and no buffer (optimizer/running_stats.py reads registered "
              "buffers): its NaN shows first in the validation call that reads it, so every mode names "
              "AttributeNorm at step 3, op None, cause unclassified (the replay's tracer takes the attribute for a "
              "value from outside); naming step 2's var needs the attributes a forward writes read like buffers")),)),

@@ -3,7 +3,7 @@
 Optimizers as a GPU user runs them (``foreach=True``, the CUDA default): Adagrad and Adamax with ``eps=0`` over an
 embedding row never used (0 / 0 in the update); an inverse-square-root schedule by ``LambdaLR`` that is inf at step
 0; a run resumed from a checkpoint whose Adam, SGD-momentum or Adagrad state, or whose parameter, already holds a
-NaN (the state is named, phase data: hot/checks/optim_reports.py).
+NaN (the state is named, phase data: hot/checks/optimizer/step_reports.py).
 Loss code: a Pearson correlation loss over a batch of constant targets; an approximate NDCG of a query without a
 relevant document (ideal DCG 0); the IoU of a degenerate predicted box and a point annotation; CIoU's aspect term
 ``atan(w / h)`` of a zero-height box (the atan absorbs the inf in the forward; the division's backward is 0 / 0);
@@ -697,7 +697,7 @@ GLOW_CAUSE = (
     "localize/ops/called.py) is logdet, so the number is torch's: the cause is log-domain (logdet-negative)")
 
 OPT_STEP = "eps zero step"
-#: What the report says of a state a bounded step found non-finite (hot/checks/optim_reports.py).
+#: What the report says of a state a bounded step found non-finite (hot/checks/optimizer/step_reports.py).
 RESUMED_SAYS = tuple((mode, "held the value before the step") for mode in ("default", "defer", "full", "ops"))
 CASES = [
     Case("hunt20_adagrad_foreach_eps_0_dead_embedding_row", lambda: _eps_zero_optimizer("adagrad", 0.0),

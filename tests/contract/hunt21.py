@@ -610,7 +610,7 @@ CASES = [
     Case("hunt21_log_cosh_softplus_form_healthy", lambda: _log_cosh(True), None),
     # The -inf log prior is the data the loss read (it came from the class counts, before the watch): named as the
     # add's operand at its line, phase data, as a class weight of 1 / 0 would be. (ops=True said 'first non-finite
-    # loss', unclassified, before hot/checks/gradients.py counted the traced loss code's reads from outside.)
+    # loss', unclassified, before backward/gradient_checks.py counted the traced loss code's reads from outside.)
     Case("hunt21_logit_adjustment_by_the_prior_of_an_absent_class", lambda: _logit_adjustment(False),
          Expect("data", None, step=2, op=None, marker="logit adjusted",
                 tensor=TensorRef(TensorRole.INPUT, "aten.add.Tensor", "other"), cause="bad-input-data")),

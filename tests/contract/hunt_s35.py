@@ -498,7 +498,7 @@ _MEANFLOW_TIERED = (
     "the report reads phase data, module None, cause bad-input-data at the mse_loss line ('target already held 4 "
     "nan'), where the NaN is the tangent torch.func.jvp made inside the model (sqrt's derivative at 0): the per-module "
     "checks cannot read a functorch-wrapped output and the tangent never passes a module hook, so the loss code's "
-    "check (hot/checks/gradients.py _given_to_the_loss) takes jvp's output for data entering the loss; a root call "
+    "check (backward/gradient_checks.py _given_to_the_loss) takes jvp's output for data entering the loss; a root call "
     "made inside a transform is not replayed (root_calls.rerun: transform-not-replayed). ops=True names it")
 
 _BATCHED_GRADS_TIERED = (

@@ -94,7 +94,7 @@ def _fp16_growth(foreach: bool, healthy: bool = False) -> Scenario:
     The weight starts at 62000; the third step's ``p += -lr * grad`` reaches 66000, past float16's max
     (``healthy``: it starts at 52000 and stays below). A replay from the state the step left would start
     from 0 where the weight went infinite and stay finite: the step is replayed from a copy of the
-    parameter kept before it, since its values came within a factor of the limit (optim.py's headroom).
+    parameter kept before it, since its values came within a factor of the limit (step_checks.py's headroom).
     """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 1)).half()

@@ -1,6 +1,6 @@
 """``scale``: a GradScaler whose scale overflows the gradients, tried lower on a replay of the failing step.
 
-The watch raises ``grad-scaler-collapse`` (hot/checks/optim.py) when a scaler
+The watch raises ``grad-scaler-collapse`` (hot/checks/optimizer/step_checks.py) when a scaler
 keeps skipping steps because its scaled gradients overflow. Where the
 initial scale was only too high, a lower one makes them finite; where the
 gradients overflow unscaled, no scale does. The failing step is replayed

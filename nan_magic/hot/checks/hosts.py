@@ -1,6 +1,6 @@
 """What the hot path's checkers read of the watch that built them, and call of the localizer.
 
-The checkers (forward.py, gradients.py, optim.py, step_cycle.py) sit below
+The checkers (forward.py, gradient_checks.py, step_checks.py, step_cycle.py) sit below
 the localizer and the watch (lifecycle/watch.py), which builds them: they
 name what they use of those upper layers with the Protocols here, defined
 at their own level, and the watch passes itself and the localizer's objects
@@ -331,7 +331,7 @@ class ForwardHost(_Checker, Protocol):
 
 
 class GradientHost(_Checker, Protocol):
-    """What the gradient checks (gradients.py) read of their watch."""
+    """What the gradient checks (gradient_checks.py) read of their watch."""
 
     @property
     def log(self) -> StepLog: ...
@@ -362,7 +362,7 @@ class _Kept(Protocol):
 
 
 class OptimizerHost(_Checker, Protocol):
-    """What the optimizer checks (optim.py) read of their watch."""
+    """What the optimizer checks (step_checks.py) read of their watch."""
 
     @property
     def targets(self) -> Targets: ...

@@ -330,10 +330,10 @@ class Call:
     )
     #: A backward check's call, set by its gradient hook only (unset elsewhere: read with getattr): the backward
     #: pass it came from, as its loss's record, the loss's id and the line that called backward
-    #: (checks/gradients.py), so the first of two backward passes before a step is judged from its own loss code.
+    #: (gradient_checks.py), so the first of two backward passes before a step is judged from its own loss code.
     loss_of: tuple[TensorRecord | None, int | None, tuple[Any, int, int] | None]
     #: A backward check's call, set by its gradient hook only (read with getattr): the record of the forward tensor
-    #: whose gradient it holds, for the deferred check, which judges it after the hook returned (checks/gradients.py).
+    #: whose gradient it holds, for the deferred check, which judges it after the hook returned (gradient_checks.py).
     target: TensorRecord
 
     def __init__(self, index: int, phase: Phase, info: ModuleInfo | None, module: Any, parent: Call | None) -> None:

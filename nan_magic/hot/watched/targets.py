@@ -166,7 +166,7 @@ class Targets:
 
         Names are the user's: the parts a wrapper adds (DDP's ``module.``,
         FSDP's, checkpointing's, ``torch.compile``'s) are left out, here
-        and in parameter names (optim.py), so ``include``/``exclude``
+        and in parameter names (step_checks.py), so ``include``/``exclude``
         patterns and reports use the names of the unwrapped model.
         """
         self.roots.append((label, module))

@@ -162,7 +162,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self._origins = Origins()
         self._origins.counting = counting
         # The kinds of tensors already read, so that none is read twice.
-        self._known = self.known = KnownKinds()  # (known: read by the loss code's data check, gradients.py)
+        self._known = self.known = KnownKinds()  # (known: read by the loss code's data check, gradient_checks.py)
         self._origins.known, self._origins.in_module = self._known.get, self._in_module
         #: The user's forward line of each autograd node the traced forward creates.
         self.node_sources = NodeSources(module_name)
@@ -189,7 +189,7 @@ class OpTracer(OriginRules, TorchDispatchMode):
         self.forward_task = -1
         #: ``(reference, tensor, line)`` of each non-finite tensor from outside the trace (no op of it made it: a
         #: NaN-coded label) that a forward op read into a non-finite output this step, the first read of each:
-        #: the loss code's data (gradients.py), where no local variable names it and no node saved it.
+        #: the loss code's data (gradient_checks.py), where no local variable names it and no node saved it.
         self.entered_data: list[tuple[TensorRef, torch.Tensor, Any]] = []
         # The non-finite numbers lifted into tensors this step (by the lifted tensor's id, held: a 0-dim tensor), and
         # the memory ops wrote them into (by its address): :meth:`written_into`. Empty on almost every step.

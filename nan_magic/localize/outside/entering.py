@@ -39,8 +39,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from nan_magic.errors.frames import is_library_file
+from nan_magic.hot.checks.backward.loss_region import loss_region_nodes
 from nan_magic.hot.checks.hosts import Entered
-from nan_magic.hot.checks.loss_region import loss_region_nodes
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import kinds_of
 from nan_magic.localize.ops.masks import is_additive_mask

@@ -2,7 +2,7 @@
 
 A running statistic (BatchNorm's ``running_var`` from inputs of ~1e20, a user's
 ``self.running.mul_(0.9).add_(...)``) is read at the optimizer step
-(hot/checks/running_stats.py), by its value: which op wrote it is not seen
+(hot/checks/optimizer/running_stats.py), by its value: which op wrote it is not seen
 there. The tiered watch holds each top-level call of the step with copies of
 the buffers it may change, as they were before it (replay/tiered/step.py); at a buffer
 event, each call of the buffer's model is run again, in order, on those copies,

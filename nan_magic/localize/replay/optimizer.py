@@ -1,7 +1,7 @@
 """The op inside an optimizer step that made a parameter or its state non-finite: the step replayed on copies.
 
 The tiered watch learns that a step went wrong from the step's result (the
-parameters and half-precision state after it, optim.py), not from its ops:
+parameters and half-precision state after it, step_checks.py), not from its ops:
 tracing every step's ops is what ``ops=True`` pays for. At such an event the
 step is run again under the op tracer, as ops mode would have traced it, on
 copies of the offending parameter, its gradient and its state, by a replica of
@@ -23,7 +23,7 @@ non-finite again, and the report says the replay started from the state after
 the step. A half-precision parameter that an ordinary update pushes past its
 limit (``p.add_(update)`` past 65504 in float16) would stay finite from 0: such
 a parameter, once its values came near the limit, is copied before each step
-(hot/checks/headroom.py), and the replay starts from that copy. The line is the
+(hot/checks/optimizer/headroom.py), and the replay starts from that copy. The line is the
 user's that called the step (``opt.step()``), or the op's own where the optimizer
 is the user's code (a hand-written LARS's trust ratio).
 """
@@ -61,7 +61,7 @@ def name_optimizer_op(
 
     ``caller`` is the user's line that called the step; it becomes the
     report's line. ``before``: a copy of the parameter taken before the
-    step (hot/checks/headroom.py), which the replay then starts from. Where the
+    step (hot/checks/optimizer/headroom.py), which the replay then starts from. Where the
     replay does not make the same elements non-finite again, the finding
     keeps no op and says so.
     """

@@ -8,7 +8,7 @@ and backward are replayed from the gradient hook that found it.
 Who calls whom: the forward hooks (forward.py) ask :class:`CallReplay` whether calls keep their arguments
 (:attr:`~CallReplay.keeps_calls`, :meth:`~CallReplay.classify`); the producer rule (producer.py) replays a forward
 producer (:meth:`~CallReplay.replay_into`, :meth:`~CallReplay.replay_deferred`); the gradient checks
-(gradients.py) receive :meth:`~CallReplay.replay_backward_into` as a callable from the watch; the step replay and
+(gradient_checks.py) receive :meth:`~CallReplay.replay_backward_into` as a callable from the watch; the step replay and
 :meth:`Watch.listening` use :meth:`~CallReplay.standing_aside`. This module calls none of them: it gets the step's
 log, the config and ``emit`` at construction.
 

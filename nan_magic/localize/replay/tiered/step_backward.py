@@ -29,7 +29,7 @@ from nan_magic.records import Note, Phase, TensorRef, TensorRole, TensorStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from nan_magic.hot.checks.forward import ForwardChecks
-    from nan_magic.hot.checks.optim import OptimizerChecks
+    from nan_magic.hot.checks.optimizer.step_checks import OptimizerChecks
     from nan_magic.hot.kept.step_log import StepLog
     from nan_magic.hot.watched.targets import Targets
     from nan_magic.localize.ops.origins import OpFinding

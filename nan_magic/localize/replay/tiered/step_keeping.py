@@ -336,7 +336,7 @@ class StepKeeping:
                 if path in grads and self.watch.cycle.timing.deferred:
                     # A second backward into this output before the step (``l1.backward(retain_graph=True);
                     # l2.backward()``): a replay of the backward takes the latest; the earlier one, which only its
-                    # record holds (weakly: checks/gradients.py), is kept alive for the step's check to count.
+                    # record holds (weakly: backward/gradient_checks.py), is kept alive for the step's check to count.
                     root.earlier_grads.append(grads[path])
                 grads[path] = grad
                 return
@@ -386,7 +386,7 @@ class StepKeeping:
         trainable parameters are those of the model's first call in the watch (a set per model, not a walk of its
         parameters each step), learned again for a call still waiting when the next step begins (new_step).
         ``ids``: the ids of ``opt``'s parameters, as its pre-hook's layout holds them (a set made once a
-        layout, hot/checks/layouts.py: none is built here each step); None: read from its groups.
+        layout, hot/checks/optimizer/layouts.py: none is built here each step); None: read from its groups.
         """
         if ids is None:
             groups = opt.param_groups

@@ -154,7 +154,7 @@ def _opens_with_the_loss(event: Report) -> bool:
 
 
 def _running_hint(cause: Cause) -> str:
-    """A running statistic (hot/checks/running_stats.py) past its dtype's max: what that says of the inputs."""
+    """A running statistic (optimizer/running_stats.py) past its dtype's max: what that says of the inputs."""
     statistic, dtype, limit, bound = (cause.fact(key) for key in ("statistic", "dtype", "limit", "bound"))
     what_made_it = (
         f"a running variance passes it only when a batch's variance does: inputs spread over more than "
@@ -178,7 +178,7 @@ def _running_evidence(cause: Cause) -> tuple[str, ...]:
 
 
 def _buffer_hint(cause: Cause) -> str:
-    """A buffer of the user's that a forward writes (hot/checks/running_stats.py), read non-finite at a step."""
+    """A buffer of the user's that a forward writes (optimizer/running_stats.py), read non-finite at a step."""
     counts_of = counts_phrase(cause.fact("nan", 0), cause.fact("posinf", 0), cause.fact("neginf", 0))
     when = "this step's forward wrote it" if cause.fact("read_before") else (
         "it was non-finite at the first read: this step's forward wrote it, or it was so before the watch began")

@@ -339,7 +339,7 @@ def _loop_write_facts(cause: Cause) -> tuple[str, ...]:
             f"dtype {cause.fact('dtype')}")
 
 
-# -- the GradScaler (hot/checks/optim.py) ---------------------------------------------------
+# -- the GradScaler (hot/checks/optimizer/step_checks.py) ---------------------------------------------------
 
 
 def _scaler_hint(cause: Cause) -> str:

@@ -123,7 +123,7 @@ def _bad_batch_hint(event: Report, cause: Cause) -> str:
 
 
 def _given_gradient(event: Report) -> bool:
-    """Whether the event's tensor is a gradient the loop gave backward() (hot/checks/gradients.py's note)."""
+    """Whether the event's tensor is a gradient the loop gave backward() (backward/gradient_checks.py's note)."""
     return any(note.kind == "given-gradient" for note in event.note_facts)
 
 
@@ -137,7 +137,7 @@ def _bad_batch_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 
 
 def _parameter_hint(event: Report, cause: Cause) -> str:
-    # Read by a forward, or found after optimizer steps that cannot have made it (optim.py: phase data).
+    # Read by a forward, or found after optimizer steps that cannot have made it (step_checks.py: phase data).
     seen = f"when {where(event)} read it" if event.phase != Phase.DATA else f"after step {event.step}"
     return (
         f"{_held(event)} already held {counts(event)} {seen}: it became non-finite outside every watched step "

@@ -5,7 +5,7 @@ A float16 parameter that a step pushes past 65504 by addition
 gone: the replay that names the step's op (localize/replay/optimizer.py)
 would start from 0 there and stay finite. Keeping a copy of every parameter
 before every step would cost every healthy step a pass over the model; only
-a parameter whose norm, read by the step check after the last step (optim.py,
+a parameter whose norm, read by the step check after the last step (step_checks.py,
 no extra read), came within a factor of :data:`HEADROOM` of its dtype's
 largest value is copied, before each step until it moves away from it. A
 parameter far from the limit can only overflow by an update near the limit
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from nan_magic.hot.checks.step_layout import StepResult
+from nan_magic.hot.checks.optimizer.step_layout import StepResult
 
 __all__ = ["HEADROOM", "Headroom"]
 

@@ -1,7 +1,7 @@
 """The layout of each optimizer's parameters (step_layout.Layout): their names, how their gradient norms are taken,
 their half-precision state; built once and rebuilt only when the parameters change.
 
-Part of the optimizer checks (optim.py), kept apart because it runs only when a layout changes; the step's
+Part of the optimizer checks (step_checks.py), kept apart because it runs only when a layout changes; the step's
 hot path asks :meth:`Layouts.layout` once and reads the layout it returns.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 
 from nan_magic.distributed.ranks import data_parallel_paths, local_shard, user_name
-from nan_magic.hot.checks.running_stats import running_stats_of
-from nan_magic.hot.checks.step_layout import Layout
+from nan_magic.hot.checks.optimizer.running_stats import running_stats_of
+from nan_magic.hot.checks.optimizer.step_layout import Layout
 from nan_magic.hot.reads import DOT_MIN_NUMEL, WIDE_FLOATS, is_checkable
 from nan_magic.hot.watched.targets import Targets
 
@@ -49,7 +49,7 @@ class Layouts:
             floating = [(name, parameter) for name, parameter in named if is_checkable(local_shard(parameter))]
             layout = self._layouts[id(opt)] = Layout(signature, named, floating, wide, dtype=dtype,
                                                     ids=frozenset(signature))
-            # How the step's gradient norms are taken (optim.py's _gradient_norms): a large CPU gradient alone,
+            # How the step's gradient norms are taken (step_checks.py's _gradient_norms): a large CPU gradient alone,
             # the others in one fused call per (device, dtype); a sharded parameter's the generic way.
             groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for _name, parameter in floating:
@@ -61,7 +61,7 @@ class Layouts:
             layout.flat_ok = sum(parameter.numel() for group in layout.groups for parameter in group) <= FLAT_MAX_NUMEL
             layout.generic = any(local_shard(parameter) is not parameter for _name, parameter in floating)
             # One (CPU, float32 or float64) group holding every parameter, none large: the launch-bound regime,
-            # where a norm per parameter costs a call each and one concatenation is cheaper (optim.py).
+            # where a norm per parameter costs a call each and one concatenation is cheaper (step_checks.py).
             layout.one_sum = (wide and layout.flat_ok and not layout.large and not layout.generic
                               and len(layout.groups) == 1 and len(floating) == len(named)
                               and layout.groups[0][0].is_cpu)

@@ -10,7 +10,7 @@ finite too), computes a finite update from finite state: momentum and
 moments are averages of finite gradients, and Adam divides by at least
 ``eps``. Such a step cannot make a parameter non-finite unless a parameter
 is already within reach of the float32 maximum, so its parameter pass is
-skipped; every ``FULL_CHECK_EVERY`` steps (optim.py), and at the first step
+skipped; every ``FULL_CHECK_EVERY`` steps (step_checks.py), and at the first step
 of a watch, the parameters are checked anyway (which also covers a parameter
 written outside the optimizer). A non-finite parameter read by a module is
 reported by the forward pass at the next step whatever happens here. Any
@@ -71,7 +71,8 @@ class StepResult:
     bounded: bool = False
     #: The deferred check's record of the user's line that called the step: ``(code, line, globals)``.
     caller: tuple[CodeType, int, dict[str, Any]] | None = None
-    #: That line's frame (only a module's top level: optim.py) and instruction (a carried result, until the next check).
+    #: That line's frame (only a module's top level: step_checks) and instruction (a carried result, until the
+    #: next check).
     caller_frame: FrameType | None = None
     caller_lasti: int = -1
     #: Copies taken before the step of the parameters near their dtype's limit, by id (headroom.py).
@@ -132,14 +133,14 @@ class Layout:
     half_state: list[tuple[str, torch.Tensor, str]] = field(default_factory=list)
     #: The floating parameters whose gradient norms one fused call takes, one list per (device, dtype)...
     groups: list[list[torch.Tensor]] = field(default_factory=list)
-    #: ...and the large CPU ones, whose norms are taken in backward (optim.py's "Hot gradients").
+    #: ...and the large CPU ones, whose norms are taken in backward (step_checks.py's "Hot gradients").
     large: list[torch.Tensor] = field(default_factory=list)
     #: Norms taken one gradient at a time (reads.norms): a sharded parameter, a sparse gradient seen.
     generic: bool = False
     #: The small CPU gradients are few enough to be copied into one buffer for their norm (layouts.FLAT_MAX_NUMEL).
     flat_ok: bool = True
     #: Every parameter is a small CPU one, all of one wide dtype: a step's parameter check reads one sum of their
-    #: concatenation, not a value per parameter (optim.py's _step_result).
+    #: concatenation, not a value per parameter (step_checks.py's _step_result).
     one_sum: bool = False
     #: bounded_step's last verdict on all but the learning rate, and the other hyperparameters it was given
     #: (plain numbers only), asked every step.

@@ -39,13 +39,19 @@ from torch import nn
 
 from nan_magic.distributed.ranks import local_shard
 from nan_magic.errors.frames import user_call
-from nan_magic.hot.checks.gradients import check_parameter_grads
-from nan_magic.hot.checks.headroom import Headroom
+from nan_magic.hot.checks.backward.gradient_checks import check_parameter_grads
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
-from nan_magic.hot.checks.iterations import Iterations
-from nan_magic.hot.checks.layouts import Layouts, holds
-from nan_magic.hot.checks.optim_reports import ReplayStep, StepReports, held_state, read_step_result
-from nan_magic.hot.checks.step_layout import BOUNDED_GRAD_NORM, Layout, StepResult, bounded_step, wild_hyperparameters
+from nan_magic.hot.checks.optimizer.headroom import Headroom
+from nan_magic.hot.checks.optimizer.iterations import Iterations
+from nan_magic.hot.checks.optimizer.layouts import Layouts, holds
+from nan_magic.hot.checks.optimizer.step_layout import (
+    BOUNDED_GRAD_NORM,
+    Layout,
+    StepResult,
+    bounded_step,
+    wild_hyperparameters,
+)
+from nan_magic.hot.checks.optimizer.step_reports import ReplayStep, StepReports, held_state, read_step_result
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import (
     DOT_MIN_NUMEL,
@@ -72,12 +78,12 @@ class OptimizerChecks:
     """Optimizer step hooks and the GradScaler rule for one watch.
 
     ``origins`` and ``replay_step`` name the op behind a finding
-    (:class:`~nan_magic.hot.checks.optim_reports.StepReports`).
+    (:class:`~nan_magic.hot.checks.optimizer.step_reports.StepReports`).
     """
 
     def __init__(self, watch: OptimizerHost, origins: OriginFinder, replay_step: ReplayStep | None = None) -> None:
         self.watch = watch
-        #: What a non-finite read at a step is reported as (optim_reports.py).
+        #: What a non-finite read at a step is reported as (step_reports.py).
         self.reports = StepReports(watch, origins, replay_step)
         #: Training iterations completed, from the optimizer steps seen (iterations.py).
         self.iterations = Iterations(watch.targets.optimizers)

@@ -43,7 +43,7 @@ from nan_magic.records import Cause, Phase, TensorRef, TensorRole
 
 __all__ = ["RunningStats", "running_stats_of"]
 
-#: Concatenates flattened tensors in one C++ call (as optim.py's gradient read does).
+#: Concatenates flattened tensors in one C++ call (as step_checks.py's gradient read does).
 _flatten = torch._C._nn.flatten_dense_tensors
 
 #: Reads during which the other floating buffers' versions are watched for a forward's writes (RunningStats._learn).

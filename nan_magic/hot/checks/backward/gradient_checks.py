@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from nan_magic.errors.frames import pointer_at, user_line
-from nan_magic.hot.checks.filled import dropped_by_its_fill
+from nan_magic.hot.checks.backward.filled import dropped_by_its_fill
+from nan_magic.hot.checks.backward.loss_region import loss_region_nodes, loss_region_note
+from nan_magic.hot.checks.backward.output_grad_hooks import judged_weakly
 from nan_magic.hot.checks.hosts import CodeRecorder, GradientHost, LossCodeReads, OriginFinder
-from nan_magic.hot.checks.loss_region import loss_region_nodes, loss_region_note
-from nan_magic.hot.checks.output_grad_hooks import judged_weakly
 from nan_magic.hot.kept.call_records import Call, TensorRecord, consumer_of, gradient_label
 from nan_magic.hot.kept.finding import Finding, record_ref
 from nan_magic.hot.reads import BATCHED_GRADS, is_checkable, norms, read_scalars, relevant_kinds

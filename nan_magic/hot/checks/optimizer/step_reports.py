@@ -1,6 +1,6 @@
-"""What a non-finite read at an optimizer step is reported as: the cold side of optim.py.
+"""What a non-finite read at an optimizer step is reported as: the cold side of step_checks.py.
 
-The optimizer checks read one norm per step (optim.py); only when one is
+The optimizer checks read one norm per step (step_checks.py); only when one is
 non-finite do they come here, to measure the gradients again one by one and
 name the first non-finite, or to name the parameter or state a step made
 non-finite, the module that owns it, and the op of the step that made it.
@@ -18,10 +18,10 @@ import torch
 
 from nan_magic.distributed.ranks import parameter_place
 from nan_magic.errors.frames import pointer_at, user_line
-from nan_magic.hot.checks.headroom import Headroom
 from nan_magic.hot.checks.hosts import OptimizerHost, OriginFinder
-from nan_magic.hot.checks.lr_schedulers import scheduler_note
-from nan_magic.hot.checks.step_layout import StepResult, default_eps, group_eps
+from nan_magic.hot.checks.optimizer.headroom import Headroom
+from nan_magic.hot.checks.optimizer.lr_schedulers import scheduler_note
+from nan_magic.hot.checks.optimizer.step_layout import StepResult, default_eps, group_eps
 from nan_magic.hot.kept.finding import Finding
 from nan_magic.hot.reads import norms, read_scalars, relevant_kinds
 from nan_magic.hot.stats import kinds_of
@@ -92,7 +92,8 @@ class StepReports:
         ``next_check``: the result is read at the next step's check (the deferred mode's one transfer): the loop's
         frame has run on into that step, and the report says so of the frame ``%debug`` opens (its locals).
         ``left``: read as the watch is left (a carried result of the loop's last step): ``%debug`` opens at the line
-        that called the step, in its frame where that is a cell's or script's top level (held: optim.py) or still runs.
+        that called the step, in its frame where that is a cell's or script's top level (held by step_checks) or
+        still runs.
         ``stepping``: the optimizer whose ``step()`` runs the next step's check (a GAN's other one).
         """
         finite = all(map(math.isfinite, values))  # (the usual step: no Python per tensor)
