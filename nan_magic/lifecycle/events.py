@@ -29,6 +29,7 @@ from nan_magic.errors.frames import (
     end_at_producer,
     frames_of,
     line_start,
+    pointer_at,
     running_frame_at,
     running_frame_of,
     user_frames_of,
@@ -40,8 +41,10 @@ from nan_magic.hot.kept.held_batch import HeldBatch
 from nan_magic.hot.reads import is_checkable
 from nan_magic.hot.stats import tensor_stats
 from nan_magic.options import WatchConfig
+from nan_magic.patches.loads import loaded_nonfinite
 from nan_magic.phases import Phase
-from nan_magic.records import EarlyWarning, Note, Report
+from nan_magic.plain import to_pairs
+from nan_magic.records import EarlyWarning, Note, Report, TensorRole
 
 if TYPE_CHECKING:  # pragma: no cover
     from nan_magic.localize.replay.tiered.step import Producer
@@ -126,6 +129,7 @@ class Events:
             return  # the op tracer already reported this step's producer, at its op (not a held batch's)
         if not finding.benign and self.report is None:
             self.context.settle_last_good()
+        _name_the_load(finding)
         if replayed is None:
             report = self.context.build(finding)
             if not finding.benign:
@@ -431,6 +435,23 @@ def _warned(message: str) -> bool:
             raise
         return False
     return True
+
+
+def _name_the_load(finding: Finding) -> None:
+    """A parameter or optimizer state that no op made non-finite, loaded so by ``load_state_dict`` while the watch
+    was active (a checkpoint saved after the run went bad): that call's line is the report's (patches/loads.py)."""
+    if finding.benign or finding.op is not None or finding.source is not None or (
+            finding.tensor.role not in _LOADABLE):
+        return
+    loaded = loaded_nonfinite(finding.bad)
+    if loaded is not None:
+        finding.source = pointer_at(*loaded.where)
+        finding.notes.append(Note.of("loaded-nonfinite", tensor=to_pairs(finding.tensor), loader=loaded.loader,
+                                     line=loaded.where[1]))
+
+
+#: What ``load_state_dict`` fills: a module's parameters (and buffers), an optimizer's state.
+_LOADABLE = frozenset({TensorRole.PARAMETER, TensorRole.OPTIMIZER_STATE, TensorRole.BUFFER})
 
 
 def _model_call(finding: Finding) -> int | None:

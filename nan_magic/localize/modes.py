@@ -46,6 +46,7 @@ from nan_magic.patches.copies import unhooked_copies
 from nan_magic.patches.functional_calls import noted_swaps
 from nan_magic.patches.inference_blocks import balanced_inference_blocks
 from nan_magic.patches.loaders import unrecorded_batches
+from nan_magic.patches.loads import noted_loads
 from nan_magic.patches.saved_hooks import listed_saved_hooks
 from nan_magic.patches.scripting import quiet_tracing, unhooked_scripting
 from nan_magic.patches.swaps import forgotten_before_swaps, unrecorded_swaps
@@ -95,6 +96,8 @@ class Localizing:
         stack.enter_context(quiet_tracing())
         # A deep copy or pickle of a model made inside the watch carries none of its hooks (patches/copies.py).
         stack.enter_context(unhooked_copies())
+        # A non-finite value loaded by load_state_dict (a checkpoint saved after the run went bad): its line.
+        stack.enter_context(noted_loads())
         # The saved-tensor hooks each call starts under, for its replay after the user's ``with`` (saved_hooks.py).
         stack.enter_context(listed_saved_hooks())
         if origins.swapped is not None:

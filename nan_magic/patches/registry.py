@@ -10,7 +10,8 @@ back in step with the dispatch-mode stack), a ``TorchDispatchMode`` the
 user enters inside the watch (its handler gated against the watch's ops),
 ``torch.jit.script`` of a module (compiled without the watch's hook on it),
 ``torch.jit.trace`` (without the TracerWarnings of the watch's own reads),
-``torch.utils.swap_tensors`` (nothing of the watch's holding the two tensors).
+``torch.utils.swap_tensors`` (nothing of the watch's holding the two tensors), ``load_state_dict`` (the line that
+loaded a non-finite value).
 Each is seen by replacing an attribute of a class or module for as
 long as someone needs it, and every such replacement is a
 :class:`ProcessPatch`:

@@ -81,7 +81,7 @@ def _state_written(kind: str, value: float) -> Scenario:
                 if kind == "adam":
                     state["exp_avg_sq"][0, 0] = value
                 elif kind == "loaded":
-                    opt.load_state_dict(saved)
+                    opt.load_state_dict(saved)  # producer: checkpoint loaded
                 else:
                     state["momentum_buffer"].mul_(value)
             losses.append(loss.detach())
@@ -129,9 +129,10 @@ def _filled(value: float, how: str) -> Scenario:
     return Scenario((model, opt), run)
 
 
-def _state(key: str) -> Expect:
+def _state(key: str, marker: str | None = None) -> Expect:
+    """``marker``: the line the report names (session 47: a state loaded non-finite, at its load_state_dict)."""
     return Expect("data", "0", "Linear", step=AT + 1, tensor=TensorRef(TensorRole.OPTIMIZER_STATE, "0.weight", key),
-                  cause="parameter-already-nonfinite")
+                  cause="parameter-already-nonfinite", marker=marker)
 
 
 #: ops=True: the tracer follows the loop's ``mul_`` into the parameter and names that op and line, but at the next
@@ -151,7 +152,7 @@ CASES = [
     Case("state_s46_nan_written_into_adams_second_moment", lambda: _state_written("adam", math.nan),
          _state("exp_avg_sq")),
     Case("state_s46_adam_state_loaded_from_a_checkpoint_with_a_nan", lambda: _state_written("loaded", math.nan),
-         _state("exp_avg")),
+         _state("exp_avg", "checkpoint loaded")),
     Case("state_s46_sgd_momentum_buffer_scaled_by_inf", lambda: _state_written("momentum", math.inf),
          _state("momentum_buffer"), modes=("default", "defer", "full")),
     Case("state_s46_sgd_momentum_buffer_scaled_by_inf_ops", lambda: _state_written("momentum", math.inf),

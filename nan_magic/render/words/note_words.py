@@ -18,6 +18,7 @@ from nan_magic.note_records import Note
 from nan_magic.plain import from_plain
 from nan_magic.render.words.counted import counted, human_size
 from nan_magic.render.words.fix_reasons import FIX_REASON_TEMPLATES, FIX_REASON_WRITERS
+from nan_magic.render.words.load_words import LOAD_NOTE_WRITERS
 from nan_magic.render.words.lr_words import LR_NOTE_TEMPLATES, LR_NOTE_WRITERS
 from nan_magic.render.words.names import subject_label, tensor_label
 from nan_magic.render.words.optimizer_replay_words import debug_later_step, optimizer_replay_finite, optimizer_replayed
@@ -495,6 +496,5 @@ _WRITERS: dict[str, Callable[[Note], str]] = {
     "outputs-unread": _outputs_unread,
     "benign-replay-lacks": _benign_replay_lacks,
     "entered-outside-unread": _entered_outside_unread,
-    **LR_NOTE_WRITERS,
-    **FIX_REASON_WRITERS,
+    **LR_NOTE_WRITERS, **LOAD_NOTE_WRITERS, **FIX_REASON_WRITERS,
 }
