@@ -23,7 +23,7 @@ from torch import nn
 import nan_magic
 from nan_magic import NonFiniteError
 from nan_magic.patches import registry
-from nan_magic.patches.loads import _loaded, loaded_nonfinite, noted_loads
+from nan_magic.patches.loads import _loaded, forget_loads, loaded_nonfinite, noted_loads
 
 MODES = list(MODE_OPTIONS)
 LOAD_AT = 2  # the loop loads the checkpoint after this step's optimizer step
@@ -149,9 +149,38 @@ def test_the_load_patches_go_with_the_watch_and_a_users_patch_made_inside_it_sta
         model.load_state_dict(bad)
         assert seen == ["user"] and loaded_nonfinite(model.weight) is not None  # ours ran under theirs
     try:
-        assert vars(nn.Module)["load_state_dict"] is theirs and registry.installed() == [] and not _loaded
+        assert vars(nn.Module)["load_state_dict"] is theirs and registry.installed() == []
+        forget_loads()  # (a watch that ended for good; a paused one keeps its notes for its next cell)
+        assert not _loaded
         model.load_state_dict(bad)  # theirs runs; ours passes through, noting nothing
         assert seen == ["user", "user"] and loaded_nonfinite(model.weight) is None
     finally:
         nn.Module.load_state_dict = original
     assert vars(torch.optim.Optimizer)["load_state_dict"].__qualname__ == "Optimizer.load_state_dict"
+
+
+def test_a_load_in_one_cell_of_a_nanwatch_on_run_is_named_in_the_next(ip) -> None:
+    """``%nanwatch on`` leaves its watch paused between cells: what a cell loaded is kept for the next one."""
+    ip.run_cell("""
+import copy, math, torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+xs, ys = [torch.randn(6, 5) for _ in range(3)], [torch.randint(0, 3, (6,)) for _ in range(3)]
+ckpt = copy.deepcopy(model.state_dict()); ckpt["0.weight"][0, 0] = math.nan
+""")
+    ip.run_line_magic("nanwatch", "on")
+    try:
+        ip.run_cell("model.load_state_dict(ckpt)  # resumed")
+        result = ip.run_cell("""
+for step in range(3):
+    loss = F.cross_entropy(model(xs[step]), ys[step])
+    opt.zero_grad(); loss.backward(); opt.step()
+""")
+    finally:
+        ip.run_line_magic("nanwatch", "off")
+    report = ip.user_ns["_nan_report"]
+    assert isinstance(result.error_in_exec, NonFiniteError)
+    assert (report.phase, report.module, str(report.tensor)) == ("forward", "0", "parameter 0.weight")
+    assert report.source is not None and report.source.line == "model.load_state_dict(ckpt)  # resumed"
+    assert "a module's load_state_dict loaded it, at line 1" in report.to_text()

@@ -75,6 +75,7 @@ from nan_magic.options import WatchConfig
 from nan_magic.patches import backward as backward_patch
 from nan_magic.patches import loaders as loaders_patch
 from nan_magic.patches import scaler as scaler_patch
+from nan_magic.patches.loads import forget_loads
 from nan_magic.patches.step_hooks import optimizer_step_hooks
 from nan_magic.records import EarlyWarning, Phase, Report, StepSummary
 from nan_magic.scene.last_good import LastGood
@@ -439,6 +440,7 @@ class Watch(WatchEvents):
         if self.cycle.update_code is not None:
             self.cycle.update_code.forget()
         self.localizing.forget()
+        forget_loads()  # (what load_state_dict loaded: kept while a %nanwatch on run is paused, for its next cell)
         self.gradients.forget_loss_graph()
         self.log.clear()
         self.cycle.batch_arrays = []

@@ -29,7 +29,7 @@ from torch import nn
 from nan_magic.errors.frames import user_line
 from nan_magic.patches.registry import ProcessPatch
 
-__all__ = ["Loaded", "loaded_nonfinite", "noted_loads"]
+__all__ = ["Loaded", "forget_loads", "loaded_nonfinite", "noted_loads"]
 
 
 @dataclass(frozen=True)
@@ -110,15 +110,16 @@ _PATCH = ProcessPatch(lambda: [(nn.Module, "load_state_dict", _wrap("model")),
 
 @contextmanager
 def noted_loads() -> Iterator[None]:
-    """Inside the block, a non-finite value loaded by ``load_state_dict`` is noted with its line; the notes go as
-    the last watch holding the patch is left."""
-    token = object()
-    try:
-        with _PATCH.held((_holders, token)):
-            yield
-    finally:
-        if not _holders:
-            _loaded.clear()
+    """Inside the block, what ``load_state_dict`` loads is noted with its line (kept until :func:`forget_loads`)."""
+    with _PATCH.held((_holders, object())):
+        yield
+
+
+def forget_loads() -> None:
+    """A watch ended for good (not paused: a ``%nanwatch on`` run's load in one cell is named in the next): where
+    no other watch is active, the notes go."""
+    if not _holders:
+        _loaded.clear()
 
 
 def loaded_nonfinite(tensor: torch.Tensor | None) -> Loaded | None:
