@@ -8,6 +8,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from contract import Case, Expect, Scenario
 
@@ -141,8 +142,52 @@ def _polar_pinn(eps: float) -> Scenario:
     return Scenario((model, opt), run)
 
 
+# ---------------------------------------------------------------- a learned temperature clamped at 0
+class DualEncoder(nn.Module):
+    """A CLIP-like pair of towers (one Linear shared, as SimCLR's two views share one) and a learned temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(6, 8)
+        self.tau = nn.Parameter(torch.tensor(0.07))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.normalize(self.encoder(x), dim=-1), F.normalize(self.encoder(y), dim=-1)
+
+
+def _learned_temperature(floor: float) -> Scenario:
+    """InfoNCE over the batch, the logits divided by the model's learned temperature in the loss code; after each
+    step the loop clamps the temperature to ``[floor, inf)``. Step 0's update (lr 0.5) takes it below 0 and the
+    clamp to exactly 0: step 1's logits are x / 0. Twin: the floor 0.01. An eps at the division hides the inf but
+    freezes the temperature (no gradient through the clamp): not a fix, which the trial must say."""
+    torch.manual_seed(0)
+    model = DualEncoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    xs = [torch.randn(8, 6) for _ in range(4)]
+    ys = [x + 0.3 * torch.randn(8, 6) for x in xs]
+
+    def run() -> list[torch.Tensor]:
+        losses = []
+        for step in range(4):
+            q, k = model(xs[step], ys[step])
+            logits = q @ k.T / model.tau  # producer: contrastive logits
+            labels = torch.arange(8)
+            loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                model.tau.clamp_(min=floor)
+            losses.append(loss.detach())
+        return [losses, model.tau.detach().clone()]
+
+    return Scenario((model, opt), run)
+
+
 #: The trials' replay differentiates by the call's inputs that require gradients too (the PINN's derivative).
 VERIFIED_EPS = "eps: the operand of sqrt clamped to at least 1.19e-7 (the float32 machine eps) -> verified"
+#: The loss code reads the temperature, a parameter: the trial's copy of it (not a detached one) gets the gradient.
+FROZEN_TAU = "the operand is the trained parameter tau: every value the line reads of it was clamped"
 #: Deferred, the check runs after the step's loss code, which differentiates: its recorded backward is the unremedied
 #: line's derivative, so the trial says it cannot tell (fixes/trial_facts.py).
 CANNOT_TELL = "the loss code differentiates (torch.autograd.grad) and its recorded backward runs as it ran"
@@ -166,4 +211,8 @@ CASES = [
                 cause="sqrt-domain", says=(("default", VERIFIED_EPS), ("full", VERIFIED_EPS), ("defer", CANNOT_TELL))),
          gaps=tuple((mode, OPS_GRAPH_GRAD) for mode in ("ops", "ops-defer"))),
     Case("hunt_s47b_polar_pinn_radius_with_eps_healthy", lambda: _polar_pinn(1e-12), None),
+    Case("hunt_s47b_learned_temperature_clamped_to_0", lambda: _learned_temperature(0.0),
+         Expect("forward", None, step=1, op="aten.div.Tensor", marker="contrastive logits", cause="division-by-zero",
+                says=tuple((mode, FROZEN_TAU) for mode in ("default", "defer", "full")))),
+    Case("hunt_s47b_learned_temperature_floor_healthy", lambda: _learned_temperature(0.01), None),
 ]
