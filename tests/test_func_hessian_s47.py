@@ -66,8 +66,9 @@ def test_the_radius_with_eps_is_silent_and_bit_identical(mode: str) -> None:
 @pytest.mark.xfail(strict=True, reason=(
     "the recorded modes report the NaN Hessian as data (a tensor 'no watched code produced' that entered the loss "
     "code, cause bad-input-data: 'check how the targets ... were made'), where it is a derivative of the model "
-    "(PolarFeatures' sqrt at the centre), phase backward; not looked into in hunt-s47: likely the loss code's records "
-    "do not chain the values torch.func made inside the transform to the model's call"))
+    "(PolarFeatures' sqrt at the centre), phase backward: at backward's start the walk of the loss's graph for data "
+    "the loss code read (outside/entering.py) finds a NaN tensor a node torch.func made saved, which no watched "
+    "code saw, and takes it for data"))
 def test_the_recorded_modes_do_not_blame_the_data_for_a_nan_derivative(mode: str) -> None:
     model, opt, run = _pinn(0.0)
     with pytest.raises(NonFiniteError) as caught, nan_magic.watch(model, opt, **MODE_OPTIONS[mode]):
