@@ -127,12 +127,15 @@ class LossCode:
         return None
 
     def run(self, outputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
-            remedied: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
-            ) -> torch.Tensor:
+            remedied: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None,
+            parameters: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """The loss of ``outputs`` (by path, with their graph); ``rows``: the samples kept (skip-batch), which the
         targets lose too; ``remedied``: a remedy at the loss code's producer (site.py); ``others``: the replayed
-        outputs of :attr:`others`' calls, in order (None: their recorded values are read). Raises
-        :class:`LossNotComputed`."""
+        outputs of :attr:`others`' calls, in order (None: their recorded values are read); ``parameters``: the
+        trial's copies of the model's parameters by their original's id, read where the ops read a parameter (a
+        penalty on the weights; the weights in the formulas of the code's own ``autograd.grad(create_graph=True)``,
+        a PINN's derivative by its input): a detached copy in their place would carry none of that code's gradient
+        to the parameters the trial judges. Raises :class:`LossNotComputed`."""
         given = {key: outputs[path] for key, path in self.outputs.items() if path in outputs}
         if len(given) != len(self.outputs):
             raise LossNotComputed(Note("other-outputs"))
@@ -141,6 +144,7 @@ class LossCode:
             if path not in other:
                 raise LossNotComputed(Note("other-outputs"))
             given[key] = other[path]
+        given.update(_read_not_written(self.ops, parameters or {}))
         try:
             copies, _requiring = copies_from_outside(self.ops, given=given)
             if rows is not None:
@@ -278,6 +282,14 @@ def unjudged(code: LossCode | Note | None, failed: str | None, loss_from: str | 
                                                                                                   "raised"):
         return Note.of("hand-backward", function=function)
     return None
+
+
+def _read_not_written(ops: list[RecordedOp], parameters: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The ``parameters`` (by recorded id) that ``ops`` read and none writes in place: a trial's parameter is a leaf
+    that requires gradients, which an in-place op refuses (the detached copy the replay takes instead is written)."""
+    written = {record_key(op.args[0]) for op in ops
+               if op.args and getattr(getattr(op.func, "overloadpacket", None), "__name__", "").endswith("_")}
+    return {key: parameters[key] for key in _outside(ops) if key in parameters and key not in written}
 
 
 def _resolved(value: object) -> torch.Tensor | None:

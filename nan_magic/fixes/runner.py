@@ -176,7 +176,7 @@ def kept_fixes(report: Report, kept: KeptStep, optimizers: Iterable[torch.optim.
         try:
             return _kept_trials(report, kept, root, optimizers, list(roots), last_good)
         except _NoTrial as none:
-            if none.note.kind != "fixes-not-reproduced" or index == len(calls) - 1:
+            if not none.note.kind.startswith("fixes-not-reproduced") or index == len(calls) - 1:
                 raise  # (a call whose replay stays finite: the next one, a backward event's, may be the one)
     return ()
 
@@ -369,7 +369,10 @@ def try_fixes(report: Report, step: FailingStep, roots: Iterable[nn.Module] = ()
     if reproduce and base.failed == "raised":  # not the event: the step, run again as it ran, raised
         raise _NoTrial(Note.of("fixes-replay-raised", error=f"{base.error[0]}: {base.error[1]}" if base.error else ""))
     if base.failed is None:  # the unremedied replay came out finite: nothing to fix on it
-        raise _NoTrial(Note("fixes-not-reproduced"))
+        # (Where the loss code ran its own autograd.grad, its recorded backward ops read what the model's forward
+        # saved as it ran, not the copies' forward: the copies' gradients miss that derivative's part.)
+        graph_grad = isinstance(step.loss_code, LossCode) and step.loss_code.differentiates
+        raise _NoTrial(Note("fixes-not-reproduced-graph-grad" if graph_grad else "fixes-not-reproduced"))
     tries: list[tuple[str, _Try]] = [
         (kind, functools.partial(_remedy_trial, kind, remedy, report, site, step, base))
         for kind, remedy in candidates]

@@ -1,22 +1,17 @@
 """One replay of the failing step on copies, with or without a remedy: forward, backward, optimizer step.
 
-The copies: the called module's parameters (run with
-``torch.func.functional_call``, so no module object is copied and the
-watch's hooks on the originals are not walked), its buffers as the failing
-call found them (``swapped_buffers``), the optimizers that step those
-parameters (rebuilt on the copies, their state loaded), the call's
-arguments; the call's generators are restored around it and the user's put
-back (``generators_at``), and the modules' Python state too (``untouched``).
-Nothing of the user's is written: no ``.grad``, no optimizer state, no
-BatchNorm statistics, no draw from their generators.
+The copies: the called module's parameters (run with ``torch.func.functional_call``, so no module object is
+copied and the watch's hooks on the originals are not walked), its buffers as the failing call found them
+(``swapped_buffers``), the optimizers that step those parameters (rebuilt on the copies, their state loaded), the
+call's arguments; the call's generators are restored around it and the user's put back (``generators_at``), and
+the modules' Python state too (``untouched``). Nothing of the user's is written: no ``.grad``, no optimizer state,
+no BatchNorm statistics, no draw from their generators.
 
-The loss: the recorded loss code run again on the replayed outputs
-(loss.py), which may start from the model's own scalar loss (a Hugging Face
-model given its labels: ``out.loss / accumulation``); where no loss code
-could run, that scalar itself; a non-finite loss fails the step there. The backward starts from
-that loss; without one, from what the step held: the gradient that flowed
-into the outputs (a backward event; a finite one, see held_gradients), else
-a gradient of ones into each floating output, standing for the loss.
+The loss: the recorded loss code run again on the replayed outputs (loss.py), which may start from the model's own
+scalar loss (a Hugging Face model given its labels: ``out.loss / accumulation``); where no loss code could run,
+that scalar itself; a non-finite loss fails the step there. The backward starts from that loss; without one, from
+what the step held: the gradient that flowed into the outputs (a backward event; a finite one, see
+held_gradients), else a gradient of ones into each floating output, standing for the loss.
 
 Under a GradScaler the backward of the step ran at its scale:
 ``FailingStep.grad_scale`` is ``(the scale to replay at, the scale the held
@@ -184,7 +179,8 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
         # ... and a reentrant block runs inline, with its graph: its form refuses torch.autograd.grad.
         stack.enter_context(reentrant_checkpoints_inline())
         originals = dict(step.target.named_parameters())
-        optimizers = _optimizers(step.optimizers, {id(originals[name]): copy for name, copy in parameters.items()})
+        copies = {id(originals[name]): copy for name, copy in parameters.items()}  # (by the original's id)
+        optimizers = _optimizers(step.optimizers, copies)
         mode = in_loss = None
         if remedy is not None and site is not None and site.module is None:
             in_loss = InRecordedCode(site, remedy)  # a producer in the loss code: remedied as that code runs again
@@ -203,7 +199,7 @@ def replay_step(step: FailingStep, site: Site | None, remedy: Remedy | None) -> 
                 stack.callback(in_backward_nodes(mode, site.in_backward, [t for _, t in _floating(output)]))
             deliberate = _deliberate(output, lambda: _call_forward(
                 step.target, parameters, root, mode, writes, arguments=_arguments(root)), remedy, mode)
-            _judge(outcome, output, step, list(parameters.values()), optimizers, in_loss, others, deliberate)
+            _judge(outcome, output, step, copies, optimizers, in_loss, others, deliberate, arguments)
             frozen = getattr(remedy, "frozen", None)
             outcome.frozen = frozen(parameters, outcome.grads) if callable(frozen) and outcome.grads else ()
             if outcome.failed is None and outcome.stepped and remedy is not None and _next_forward_fails(
@@ -359,9 +355,9 @@ def forward_only(step: FailingStep) -> bool:
     return not step.root.grad_enabled and not (isinstance(code, LossCode) and not code.last)
 
 
-def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: list[torch.Tensor],
+def _judge(outcome: StepOutcome, output: Any, step: FailingStep, copies: dict[int, torch.Tensor],
            optimizers: list[torch.optim.Optimizer], in_loss: InRecordedCode | None = None,
-           others: list[Any] | None = None, deliberate: frozenset[str] = frozenset()) -> None:
+           others: list[Any] | None = None, deliberate: frozenset[str] = frozenset(), arguments: Any = ()) -> None:
     tensors = _floating(output)
     outcome.outputs = {path: values_to_read(tensor) for path, tensor in tensors}
     other_tensors = [dict(_floating(other)) for other in others or ()]
@@ -372,7 +368,7 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
         return
     if forward_only(step):
         return
-    loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
+    loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None, copies)
     if loss is not None and not step.root.grad_enabled and not _reads(loss, [tensor for _path, tensor in tensors]):
         # The kept loss code's loss does not read this no_grad call (a validation batch's metric recorded beside the
         # next training step's loss): the call's forward alone is what the trial proved (trial_facts: "no-grad").
@@ -387,17 +383,21 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
         # the step never goes), but it does run through the step's other calls, the same module's with grad too
         # (trial_facts: "no-grad-loss"). So the loss is taken again on the call's outputs detached.
         tensors = [(path, tensor.detach()) for path, tensor in tensors]
-        loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None)
+        loss = _loss(outcome, tensors, step, in_loss, other_tensors if others else None, copies)
     scale, carried = step.grad_scale
     begins = _backward_starts(tensors, step.root, loss)
     starts = [(tensor, grad * (scale / carried if start == "held" else scale)) for tensor, grad, start in begins]
-    parameters = [parameter for parameter in parameters if parameter.requires_grad]
+    parameters = [parameter for parameter in copies.values() if parameter.requires_grad]
     if not starts or not parameters:
         return
     ones = all(start == "ones" for *_values, start in begins)
-    grads = torch.autograd.grad([tensor for tensor, _grad in starts], parameters,
+    # The call's arguments that require gradients get theirs too, as the user's backward gives them: a PINN's
+    # derivative by its input (autograd.grad(u, x)) goes non-finite where no parameter's gradient does.
+    inputs = [tensor for _path, tensor in iter_tensors(arguments) if tensor.requires_grad]
+    grads = torch.autograd.grad([tensor for tensor, _grad in starts], [*parameters, *inputs],
                                 grad_outputs=[grad for _tensor, grad in starts], allow_unused=True, retain_graph=ones)
-    if not all(grad is None or _finite(grad) for grad in grads):
+    grads, input_grads = grads[:len(parameters)], grads[len(parameters):]
+    if not all(grad is None or _finite(grad) for grad in (*grads, *input_grads)):
         outcome.failed = "backward"
         return
     # (each parameter's gradient, summed: remedies/stable.py's check of a rewrite compares them, where a float16
@@ -426,18 +426,17 @@ def _judge(outcome: StepOutcome, output: Any, step: FailingStep, parameters: lis
 
 
 def _loss(outcome: StepOutcome, tensors: list[tuple[str, torch.Tensor]], step: FailingStep,
-          in_loss: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None
-          ) -> torch.Tensor | None:
+          in_loss: InRecordedCode | None = None, others: list[dict[str, torch.Tensor]] | None = None,
+          copies: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The step's loss (see the module docstring), its value and origin noted in ``outcome``; None: not computed.
-
-    ``in_loss``: a remedy at the loss code's producer, applied as that code runs again.
-    """
+    ``in_loss``: a remedy at the loss code's producer, applied as that code runs again; ``copies``: the replay's
+    parameters by their original's id, which the loss code reads in their place (LossCode.run)."""
     losses = [tensor for _path, tensor in tensors if tensor.dim() == 0]
     loss = None
     if isinstance(step.loss_code, LossCode):
         # First: the loss code may go on from the model's own loss (``out.loss / accumulation``, a log of it).
         try:
-            loss = step.loss_code.run(dict(tensors), step.rows, in_loss, others)
+            loss = step.loss_code.run(dict(tensors), step.rows, in_loss, others, copies)
             outcome.loss_from = "last loss code" if step.loss_code.last else "loss code"
         except LossNotComputed as error:
             outcome.no_loss = error.reason

@@ -181,10 +181,7 @@ def _gapless(shape: torch.Size, stride: tuple[int, ...]) -> bool:
 
 
 class Origins:
-    """The origin of each non-finite tensor seen in a step, by identity and by memory.
-
-    Views are not noted: a view's origin is its base's.
-    """
+    """The origin of each non-finite tensor seen in a step, by identity and by memory (not a view: its base's)."""
 
     def __init__(self) -> None:
         # id(tensor) -> (weak reference, version, written in place, origin) of the non-finite tensors seen.
@@ -257,7 +254,10 @@ class Origins:
         """The origin noted for a forward value on ``tensor``'s memory, at its version."""
         if not self._by_memory or tensor.is_inference() or type(tensor) not in _PLAIN or not dense(tensor):
             return None
-        entry = self._by_memory.get(_memory_key(tensor.untyped_storage(), tensor))
+        try:  # (a value torch.func made, a hessian under vmap read by the loss, has no storage to read)
+            entry = self._by_memory.get(_memory_key(tensor.untyped_storage(), tensor))
+        except RuntimeError:
+            return None
         if entry is None or entry[3].expired():
             # A storage freed since: the allocator hands its address to the next tensor of that size, at version 0
             # as the noted one was (a backward's bool mask, then the next one: a NaN's origin taken for benign).

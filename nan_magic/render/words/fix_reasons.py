@@ -27,6 +27,10 @@ FIX_REASON_TEMPLATES: dict[str, str] = {
                     "step to try one on",
     "fixes-not-reproduced": "no fix was tried: the failing step, run again on copies as it ran, came out finite, so "
                             "no remedy could be judged on it",
+    "fixes-not-reproduced-graph-grad": "no fix was tried: the failing step, run again on copies, came out finite: "
+                                       "the loss code's own torch.autograd.grad(create_graph=True) was run again as "
+                                       "the ops it recorded, on the tensors the model's forward had saved, so the "
+                                       "copies' gradients miss that derivative's part and no remedy could be judged",
     "fixes-replay-raised": "no fix was tried: the failing step, run again on copies as it ran, raised {error}",
     "fixes-no-loss-code": "no fix was tried: the producer ran in the loss code, which the trials could not run "
                           "again: {reason}",

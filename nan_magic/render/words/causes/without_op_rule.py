@@ -139,6 +139,14 @@ def _bad_batch_evidence(event: Report, cause: Cause) -> tuple[str, ...]:
 def _parameter_hint(event: Report, cause: Cause) -> str:
     # Read by a forward, or found after optimizer steps that cannot have made it (step_checks.py: phase data).
     seen = f"when {where(event)} read it" if event.phase != Phase.DATA else f"after step {event.step}"
+    if event.tensor.role is TensorRole.BUFFER:
+        # No optimizer writes a buffer, and none of the user's checkpoints holds a good one where the module's
+        # constructor computed it (a noise schedule's log of its 0 at t = 0): where it was computed is the fix.
+        return (
+            f"{_held(event)} already held {counts(event)} {seen}: no watched step wrote it, so it was computed so "
+            "before (in the module's __init__: a schedule's log of a 0, a division by a count of 0) or loaded or "
+            "set by hand; find where it was computed and make it finite there, or reload it"
+        )
     return (
         f"{_held(event)} already held {counts(event)} {seen}: it became non-finite outside every watched step "
         "(a checkpoint load, a manual edit, an unwatched optimizer); reload it from a good checkpoint and find "
