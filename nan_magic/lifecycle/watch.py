@@ -322,9 +322,9 @@ class Watch(WatchEvents):
                 # (phase data) from the loss code: a replay's runs a model call or its loss code, never the data code.
                 self.origins.tracer.derived = ModelDerived()
                 cycle = self.cycle
-                # After a backward with no optimizer step since, the next micro-batch's data code runs (accumulation:
-                # the recorded modes hold that region as data too, outside/recorder._hold_update_region).
-                self.origins.tracer.data_region = lambda: not cycle.open or bool(cycle.gradients.backward_runs)
+                # So it is after a backward with no step since (accumulation), and after a validation call (forward.py).
+                self.origins.tracer.data_region = lambda: (
+                    not cycle.open or bool(cycle.gradients.backward_runs) or cycle.validated)
         except BaseException:
             stack.close()
             raise
