@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from fuzz.run import judge
 
-# One incident of each site (a module's forward and backward, the loss code, an update, the batch), seeds
-# whose verdicts were all right when the sample was chosen.
-SEEDS = (1, 44, 5, 6, 52)
+# One incident of each site (a module's forward and backward, the loss code, an update, the batch's targets
+# standardised after a validation call: fuzz_s47's fix), seeds whose verdicts are all right.
+SEEDS = (1, 44, 5, 6, 228)
 
 
 @pytest.mark.fuzz
