@@ -138,6 +138,8 @@ class StepCycle(CycleExit):
         self._counted_step: int | None = None
         self.open = False
         self.trains = False  #: :meth:`training` found an optimizer in use (read first: four times a step)
+        #: The last top-level call was a validation call (checks/forward.py): the loop's data code runs after it.
+        self.validated = False
         # An optimizer's closure called a model inside its step (LBFGS): see on_step_post.
         self._closure_ran = False
         self._data_mark = (False, False, 0)  # the data region as the user's step post-hooks began (data_mark)
@@ -176,6 +178,11 @@ class StepCycle(CycleExit):
         self.steps_opened += inner.steps_opened
 
     # -- opening and closing ----------------------------------------------------------------
+
+    def optimized(self, module: nn.Module) -> bool:
+        """Whether an optimizer the watch has seen trains a parameter of ``module`` (read at a no-grad call only)."""
+        trained = {id(p) for opt in self.optimizers.seen for group in opt.param_groups for p in group["params"]}
+        return any(id(p) in trained for p in module.parameters())
 
     def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None:
         """A top-level call of ``module`` starts: it opens a step where none is open.

@@ -323,7 +323,9 @@ class Watch(WatchEvents):
                 # (phase data) from the loss code: a replay's runs a model call or its loss code, never the data code.
                 self.origins.tracer.derived = ModelDerived()
                 cycle = self.cycle
-                self.origins.tracer.data_region = lambda: not cycle.open
+                # So it is after a backward with no step since (accumulation), and after a validation call (forward.py).
+                self.origins.tracer.data_region = lambda: (
+                    not cycle.open or bool(cycle.gradients.backward_runs) or cycle.validated)
         except BaseException:
             stack.close()
             raise

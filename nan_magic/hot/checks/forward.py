@@ -248,10 +248,22 @@ class ForwardChecks:
                     timing.judging = None
                 cycle.batch_arrays = []  # (its numpy batch judged)
                 cycle.check_peers()  # another rank's event, where no optimizer step lets the ranks agree
+            # A training loop's validation call (the trained model in eval mode, under no_grad): no loss code of its
+            # own follows for a backward, so what runs until the next call is the next step's data code.
+            cycle.validated = validated = not torch.is_grad_enabled() and self._validation(module)
             if self.watch.outside is not None and task == -1:
                 # (Not in a backward pass, see on_forward_pre. A training step's loss code may go on across
                 # another model call: recorder.start.)
-                self.watch.outside.start("loss", goes_on=self._loss_goes_on)
+                if validated:
+                    self.watch.outside.start("data")
+                else:
+                    self.watch.outside.start("loss", goes_on=self._loss_goes_on)
+
+    def _validation(self, module: nn.Module) -> bool:
+        """Whether a no-grad top-level call of ``module`` is a training loop's validation: the model is in eval mode
+        and an optimizer the watch has seen trains it (not a frozen teacher, nor an EMA copy of the model)."""
+        cycle = self.watch.cycle
+        return not module.training and (cycle.trains or cycle.training()) and cycle.optimized(module)
 
     def _loss_goes_on(self) -> bool:
         """Whether loss code recorded before a top-level call may go on after it: a training step's, with grad on."""

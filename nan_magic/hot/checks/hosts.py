@@ -222,10 +222,14 @@ class StepBoundaries(Protocol):
     def early(self) -> EarlyWarnings: ...
 
     trains: bool
+    #: The last top-level call was a training loop's validation call (forward.py): data code runs after it.
+    validated: bool
     #: The tensors over the step's numpy batches (forward.py's record_data), released as the step ends.
     batch_arrays: list[torch.Tensor]
 
     def training(self) -> bool: ...
+
+    def optimized(self, module: nn.Module) -> bool: ...
 
     def forward_started(self, module: nn.Module, entering: Sequence[torch.Tensor] = ()) -> None: ...
 

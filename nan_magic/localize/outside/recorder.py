@@ -223,9 +223,8 @@ class OutsideRecorder(OnTheDispatchStack, RegionRecords, TorchDispatchMode):
         """No optimizer step since the last backward (accumulation's next micro-batch): the update region's records
         (:attr:`then_forget`) made this batch: held for the step's check (deferred), or where :meth:`claim` found its op
         there, for the fix trial as the call ends; after the data records so far, within :data:`KEEP_TOTAL`, weakly."""
-        held = self.then_forget  # (a healthy step claims nothing: no witness)
-        if held is None or self._region == "data" or not held.settled() or not (
-                self.holds_data or (self._witness is not None and self._witness is held._witness)):
+        held = self.then_forget  # (immediate too: the loss code may read what it made, targets standardised)
+        if held is None or self._region == "data" or not held.settled():
             return
         prior_ops, prior_produced, prior_rng = self._data if self._data is not None else ([], {}, None)
         budget = max(0, KEEP_TOTAL - self._data_kept)
