@@ -179,6 +179,12 @@ class StepCycle(CycleExit):
 
     # -- opening and closing ----------------------------------------------------------------
 
+    def in_data_region(self) -> bool:
+        """Whether the loop's data code runs now (ops mode's tracer asks, at an op that starts a non-finite value): no
+        step is open, or a backward ran with no optimizer step since (accumulation's next micro-batch), or the last
+        top-level call was a validation call (checks/forward.py)."""
+        return not self.open or bool(self.gradients.backward_runs) or self.validated
+
     def optimized(self, module: nn.Module) -> bool:
         """Whether an optimizer the watch has seen trains a parameter of ``module`` (read at a no-grad call only)."""
         trained = {id(p) for opt in self.optimizers.seen for group in opt.param_groups for p in group["params"]}

@@ -322,10 +322,7 @@ class Watch(WatchEvents):
                 # Ops mode's live tracer carries which tensors the model made, to tell the loop's data code
                 # (phase data) from the loss code: a replay's runs a model call or its loss code, never the data code.
                 self.origins.tracer.derived = ModelDerived()
-                cycle = self.cycle
-                # So it is after a backward with no step since (accumulation), and after a validation call (forward.py).
-                self.origins.tracer.data_region = lambda: (
-                    not cycle.open or bool(cycle.gradients.backward_runs) or cycle.validated)
+                self.origins.tracer.data_region = self.cycle.in_data_region
         except BaseException:
             stack.close()
             raise
