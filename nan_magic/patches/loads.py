@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from nan_magic.errors.frames import user_line
 from nan_magic.patches.registry import ProcessPatch
@@ -66,7 +67,9 @@ def _filled(owner: Any, loader: str) -> list[torch.Tensor]:
 def _largest(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Each tensor's largest magnitude (NaN where it holds one), left on its device: one fused call a device."""
     devices = {tensor.device for tensor in tensors}
-    with torch.no_grad():
+    # (Read apart from every dispatch mode on the stack: the watch's recorders and op tracer, a user's own, record
+    # the loop's ops, and this one is ours.)
+    with torch.no_grad(), _disable_current_modes():
         if len(devices) == 1:
             return tuple(torch._foreach_norm([tensor.detach() for tensor in tensors], math.inf))
         return tuple(torch.linalg.vector_norm(tensor.detach(), math.inf) for tensor in tensors)

@@ -107,10 +107,11 @@ _CONVERSIONS = {
 
 # The ops Python's tensor literals reach the dispatcher through (torch.tensor, a number assigned by indexing).
 _LITERALS = frozenset({"lift_fresh", "lift_fresh_copy"})
-# In-place ops that overwrite their target without reading it.
+# In-place ops that overwrite their target without reading it. (``fill_`` and ``zero_`` too: the target of
+# ``torch.empty(n).fill_(nan)`` holds whatever the allocator left, at times a NaN's bits, which is no input.)
 _OVERWRITES = frozenset(
     {"copy_", "_copy_from", "_copy_from_and_resize", "normal_", "uniform_", "log_normal_",
-     "exponential_", "geometric_", "cauchy_", "random_", "_foreach_copy_"}
+     "exponential_", "geometric_", "cauchy_", "random_", "_foreach_copy_", "fill_", "zero_", "_foreach_zero_"}
 )
 
 

@@ -83,16 +83,12 @@ def _unexplained(ops: list[RecordedOp], produced: dict[int, int], tensor: torch.
     return None
 
 
-#: In-place ops that overwrite what they write without reading it: their target, non-finite now, is not an operand.
-_UNREAD_TARGETS = frozenset({"fill_", "zero_"})
-
-
 def _overwritten(op: RecordedOp) -> list[Any]:
     """The arguments ``op`` overwrote without reading them (``w.fill_(nan)``, then ``nn.Parameter(w)`` assigned:
     ``w`` is non-finite now because of it, not an operand that was); empty for any other op."""
     func = op.func
     plan = plan_of(func) if isinstance(func, torch._ops.OpOverload) else None
-    if plan is None or not (plan.overwrites or func.overloadpacket.__name__ in _UNREAD_TARGETS):
+    if plan is None or not plan.overwrites:  # (copy_, fill_, zero_: their target, non-finite now, is no operand)
         return []
     return tree_leaves([value for name, value in arguments(plan, op.args, op.kwargs) if name in plan.writes])
 
