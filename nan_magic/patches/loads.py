@@ -41,9 +41,9 @@ class Loaded:
     #: ``"model"`` (``Module.load_state_dict``) or ``"optimizer"`` (``Optimizer.load_state_dict``).
     loader: str
     owner: weakref.ref[Any]
-    #: The ids of the floating tensors it filled, in :func:`_filled`'s order, and each one's largest magnitude as
-    #: loaded (0-d tensors on their devices, NaN where one held a NaN; read only at an event).
-    ids: tuple[int, ...]
+    #: The floating tensors it filled, by id, to their place in :func:`_filled`'s order, and each one's largest
+    #: magnitude as loaded (0-d tensors on their devices, NaN where one held a NaN; read only at an event).
+    places: dict[int, int]
     largest: tuple[torch.Tensor, ...]
 
 
@@ -65,7 +65,8 @@ def _filled(owner: Any, loader: str) -> list[torch.Tensor]:
 
 
 def _largest(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Each tensor's largest magnitude (NaN where it holds one), left on its device: one fused call a device."""
+    """Each tensor's largest magnitude (NaN where it holds one), left on its device: one fused call where all are on
+    one device (a GPU's multi-tensor kernel), else one a tensor."""
     devices = {tensor.device for tensor in tensors}
     # (Read apart from every dispatch mode on the stack: the watch's recorders and op tracer, a user's own, record
     # the loop's ops, and this one is ours.)
@@ -76,8 +77,11 @@ def _largest(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 
 def _note(owner: Any, loader: str) -> None:
-    caller = sys._getframe(3)  # (this, the replacement, the registry's dispatch: then whoever called the load)
-    if caller is None or caller.f_globals.get("__name__", "").startswith("nan_magic."):
+    try:
+        caller = sys._getframe(3)  # (this, the replacement, the registry's dispatch: then whoever called the load)
+    except ValueError:  # (called with no Python frame above it)
+        return
+    if caller.f_globals.get("__name__", "").startswith("nan_magic."):
         return  # the watch's own load (a restore, a fix trial's copy of the optimizer)
     where = user_line(caller)
     if where is None:
@@ -90,7 +94,8 @@ def _note(owner: Any, loader: str) -> None:
     _loaded.pop(id(owner), None)
     if len(_loaded) >= _KEPT:
         del _loaded[next(iter(_loaded))]
-    _loaded[id(owner)] = Loaded(where, loader, weakref.ref(owner), tuple(map(id, tensors)), largest)
+    places = dict(zip(map(id, tensors), range(len(tensors))))
+    _loaded[id(owner)] = Loaded(where, loader, weakref.ref(owner), places, largest)
 
 
 def _wrap(loader: str) -> Any:
@@ -136,8 +141,9 @@ def loaded_nonfinite(tensor: torch.Tensor | None) -> Loaded | None:
         if owner is None:
             continue
         for filled in _filled(owner, loaded.loader):
-            if filled.layout is torch.strided and filled.untyped_storage().data_ptr() == address and (
-                    id(filled) in loaded.ids):
-                largest = loaded.largest[loaded.ids.index(id(filled))]
+            place = loaded.places.get(id(filled))
+            if place is not None and filled.layout is torch.strided and (
+                    filled.untyped_storage().data_ptr() == address):
+                largest = loaded.largest[place]
                 return loaded if largest.device.type != "meta" and not math.isfinite(float(largest)) else None
     return None
