@@ -20,10 +20,8 @@ edit) or accumulated over several backward passes is measured at the step.
 
 A closure that runs the forward and backward inside the step (LBFGS) has its gradients judged as its backward returns
 (:meth:`closure_gradients`).
-
-Bounded steps: a step that cannot make a finite parameter non-finite has its
-parameters checked only every :data:`FULL_CHECK_EVERY` steps (step_layout.py
-gives the argument and the conditions).
+Bounded steps: a step that cannot make a finite parameter non-finite has its parameters checked only every
+:data:`FULL_CHECK_EVERY` steps (step_layout.py gives the argument and the conditions).
 """
 
 from __future__ import annotations
@@ -288,9 +286,8 @@ class OptimizerChecks:
         if opt is not self._last and not self.watches(opt):
             return
         try:
-            # A bounded step needs no check (module docstring), except every
-            # FULL_CHECK_EVERY steps, and whenever the roll-back snapshot is
-            # kept: it must only ever hold checked parameters.
+            # A bounded step needs no check (module docstring), except every FULL_CHECK_EVERY steps, and whenever
+            # the roll-back snapshot is kept: it must only ever hold checked parameters.
             if self._bounded and step % FULL_CHECK_EVERY != 0 and watch.last_good.where is None:
                 self._unchecked[id(opt)] = (opt, step)  # checked at the watch's end if no full check comes first
                 return
@@ -312,8 +309,7 @@ class OptimizerChecks:
                     result.caller, frame, result.caller_lasti = called
                     if frame.f_code.co_name == "<module>":
                         result.caller_frame = frame
-                # The groups' rates as the step ran (a tensor rate the loop rebinds by the check): map of a C
-                # callable, no Python call a step.
+                # The groups' rates as the step ran (a tensor rate the loop rebinds by the check): a C map, no call.
                 result.lrs = list(map(_GROUP_LR, opt.param_groups))
                 self.carried = result
                 if watch.last_good.where is not None:  # (copied as it is now, kept once the check finds it finite)
@@ -455,8 +451,7 @@ class OptimizerChecks:
         scaler's step, which says whether the accumulated gradients overflowed.
         """
         if self.scaler_active():
-            # A skipped step, or a micro-step: the next backward's gradients are measured afresh (see "Hot
-            # gradients").
+            # A skipped step, or a micro-step: the next backward's gradients are measured afresh ("Hot gradients").
             self._hot.clear()
             if skipped_by is None and not leaving:
                 return
